@@ -1,0 +1,64 @@
+"""cpkv: context parallelism with prefix KV over packed (TND) sequences.
+
+Pure, typed functions over tensors and explicit process groups:
+
+* planning (no communication): :func:`compute_prefix_kv_cu_seqlens`,
+  :func:`rearrange_prefix_kv`, :func:`slice_tnd_kv_prefix`, :class:`PrefixKVPlan`;
+* sequence-length conventions: :func:`validate_cu_seqlens`,
+  :func:`cu_seqlens_to_actual_seq_len`, :func:`actual_seq_len_to_cu_seqlens`,
+  :func:`compress_cu_seqlens`;
+* sharding: :func:`permute_cp_shard`, :func:`shard_contiguous`, :func:`shard_zigzag`
+  and their inverses;
+* collectives: :func:`gather_from_sp_cp`, :func:`global_num_seqs`,
+  :func:`all_gather_qk_weight_kvallgather`;
+* DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`.
+"""
+
+from cpkv.comm import IndexerInputs, all_gather_qk_weight_kvallgather, gather_from_sp_cp, global_num_seqs
+from cpkv.compress_mode import LayerCompressMode, effective_cmp_ratio
+from cpkv.layout import (
+    CompressedSeqlens,
+    actual_seq_len_to_cu_seqlens,
+    compress_cu_seqlens,
+    cu_seqlens_to_actual_seq_len,
+    seqlens_to_cu_seqlens,
+    validate_cu_seqlens,
+)
+from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
+from cpkv.sharding import (
+    contiguous_shard_range,
+    permute_cp_shard,
+    shard_contiguous,
+    shard_zigzag,
+    unshard_contiguous,
+    unshard_zigzag,
+    zigzag_gather_index,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressedSeqlens",
+    "IndexerInputs",
+    "LayerCompressMode",
+    "PrefixKVPlan",
+    "actual_seq_len_to_cu_seqlens",
+    "all_gather_qk_weight_kvallgather",
+    "compress_cu_seqlens",
+    "compute_prefix_kv_cu_seqlens",
+    "contiguous_shard_range",
+    "cu_seqlens_to_actual_seq_len",
+    "effective_cmp_ratio",
+    "gather_from_sp_cp",
+    "global_num_seqs",
+    "permute_cp_shard",
+    "rearrange_prefix_kv",
+    "seqlens_to_cu_seqlens",
+    "shard_contiguous",
+    "shard_zigzag",
+    "slice_tnd_kv_prefix",
+    "unshard_contiguous",
+    "unshard_zigzag",
+    "validate_cu_seqlens",
+    "zigzag_gather_index",
+]

@@ -1,0 +1,194 @@
+"""Sequence-length conventions of packed (TND) batches and their converters.
+
+Two conventions describe the same document boundaries (SEMANTICS section 1):
+
+* ``cu_seqlens``: cumulative document ends **with** a leading 0, an integer
+  tensor ``[B + 1]`` (flash-attention, PyTorch ``varlen_attn``, this library).
+* ``actual_seq_len``: the same cumulative ends **without** the leading 0
+  (Ascend / MindSpeed, ``actual_seq_qlen`` and ``actual_seq_kvlen`` of
+  ``npu_fusion_attention``), usually a host list of ints ``[B]``.
+
+Convert only with :func:`cu_seqlens_to_actual_seq_len` and
+:func:`actual_seq_len_to_cu_seqlens`; never guess which one a value is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from cpkv._checks import check_int, check_int_dtype, check_ndim, check_tensor
+
+
+def validate_cu_seqlens(
+    cu_seqlens: Tensor, *, num_tokens: int | None = None, name: str = "cu_seqlens"
+) -> None:
+    """Check that ``cu_seqlens`` is a valid leading-zero cumulative length tensor.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int32/int64 on any device: leading 0, non-decreasing.
+            Repeated values (zero-length documents) are legal.
+        num_tokens: if given, the last entry must equal it (the packed token count).
+        name: the argument name used in error messages.
+
+    Raises:
+        TypeError: not a tensor, or not an integer dtype.
+        ValueError: not 1-D, empty, no leading 0, decreasing, or last entry != num_tokens.
+
+    Example:
+        >>> validate_cu_seqlens(torch.tensor([0, 5, 12, 16]), num_tokens=16)
+    """
+    check_tensor(name, cu_seqlens)
+    check_int_dtype(name, cu_seqlens)
+    check_ndim(name, cu_seqlens, 1, "[B + 1] (1-D, leading 0)")
+    if cu_seqlens.numel() == 0:
+        raise ValueError(f"{name} must hold at least the leading 0, got an empty tensor")
+    values = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(values[0]) != 0:
+        raise ValueError(
+            f"{name} must start with 0 (leading-zero convention), got {values[:4].tolist()}...;"
+            " for Ascend actual_seq_len (no leading 0) use actual_seq_len_to_cu_seqlens"
+        )
+    steps = values.diff()
+    if bool((steps < 0).any()):
+        bad = int(torch.nonzero(steps < 0)[0, 0])
+        raise ValueError(
+            f"{name} must be non-decreasing, but entry {bad + 1} ({int(values[bad + 1])})"
+            f" < entry {bad} ({int(values[bad])})"
+        )
+    if num_tokens is not None and int(values[-1]) != num_tokens:
+        raise ValueError(
+            f"{name}[-1] must equal the number of packed tokens {num_tokens}, got {int(values[-1])}"
+        )
+
+
+def cu_seqlens_to_actual_seq_len(cu_seqlens: Tensor) -> list[int]:
+    """Ascend convention from the leading-zero one: drop the 0, return a host list.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int tensor with leading 0.
+
+    Returns:
+        ``[B]`` host list of cumulative ends without the leading 0 (what
+        ``npu_fusion_attention`` takes as ``actual_seq_qlen`` / ``actual_seq_kvlen``).
+
+    Raises:
+        TypeError, ValueError: as :func:`validate_cu_seqlens`.
+
+    Example:
+        >>> cu_seqlens_to_actual_seq_len(torch.tensor([0, 5, 12, 16]))
+        [5, 12, 16]
+    """
+    validate_cu_seqlens(cu_seqlens)
+    return [int(v) for v in cu_seqlens[1:].tolist()]
+
+
+def actual_seq_len_to_cu_seqlens(
+    actual_seq_len: Sequence[int] | Tensor,
+    *,
+    dtype: torch.dtype = torch.int32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Leading-zero ``cu_seqlens`` from the Ascend convention (prepend the 0).
+
+    Args:
+        actual_seq_len: ``[B]`` cumulative ends without the leading 0, a host list or
+            a 1-D int tensor. A leading 0 in the input is rejected: it would create a
+            phantom empty first document and usually means the value already is
+            ``cu_seqlens``.
+        dtype: integer dtype of the result (int32, what fused kernels take).
+        device: device of the result (default: the input tensor's, else CPU).
+
+    Returns:
+        ``[B + 1]`` tensor, leading 0.
+
+    Raises:
+        TypeError: non-integer values.
+        ValueError: a leading 0, negative or decreasing values.
+
+    Example:
+        >>> actual_seq_len_to_cu_seqlens([5, 12, 16])
+        tensor([ 0,  5, 12, 16], dtype=torch.int32)
+    """
+    if isinstance(actual_seq_len, Tensor):
+        check_int_dtype("actual_seq_len", actual_seq_len)
+        check_ndim("actual_seq_len", actual_seq_len, 1, "[B] (1-D, no leading 0)")
+        ends = [int(v) for v in actual_seq_len.tolist()]
+        device = actual_seq_len.device if device is None else device
+    else:
+        ends = [check_int(f"actual_seq_len[{i}]", v) for i, v in enumerate(actual_seq_len)]
+    if ends and ends[0] == 0:
+        raise ValueError(
+            "actual_seq_len must not start with 0 (Ascend convention has no leading 0);"
+            f" got {ends[:4]}... which looks like cu_seqlens already"
+        )
+    result = torch.tensor([0, *ends], dtype=dtype, device=device)
+    validate_cu_seqlens(result, name="actual_seq_len (with a 0 prepended)")
+    return result
+
+
+def seqlens_to_cu_seqlens(
+    seqlens: Sequence[int] | Tensor, *, dtype: torch.dtype = torch.int32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Leading-zero ``cu_seqlens`` ``[B + 1]`` from per-document lengths ``[B]``.
+
+    Raises:
+        ValueError: a negative length.
+
+    Example:
+        >>> seqlens_to_cu_seqlens([5, 7, 4])
+        tensor([ 0,  5, 12, 16], dtype=torch.int32)
+    """
+    lengths = torch.as_tensor(seqlens, dtype=torch.int64, device=device)
+    check_ndim("seqlens", lengths, 1, "[B]")
+    if bool((lengths < 0).any()):
+        raise ValueError(f"seqlens must be non-negative, got {lengths.tolist()[:8]}")
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(dtype)
+
+
+class CompressedSeqlens(NamedTuple):
+    """Compressed-sequence lengths of a packed batch (SEMANTICS section 5).
+
+    Attributes:
+        cu_seqlens: ``[B + 1]`` leading-zero cumulative counts of compressed entries,
+            ``[0] + cumsum(len_i // ratio)``, same dtype and device as the input.
+        residuals: ``[B]`` tokens per document left after the last full block,
+            ``len_i % ratio`` (they produce no entry).
+    """
+
+    cu_seqlens: Tensor
+    residuals: Tensor
+
+
+def compress_cu_seqlens(cu_seqlens_kv: Tensor, ratio: int) -> CompressedSeqlens:
+    """Compressed cu_seqlens and residuals from the **kv** (prefix) lengths.
+
+    In prefix mode the compressor runs over each document's kv prefix, so the
+    compressed lengths must come from ``cu_seqlens_kv``, never from the query
+    lengths (those are shorter whenever a document starts on an earlier rank).
+
+    Args:
+        cu_seqlens_kv: ``[B + 1]`` int, leading 0: the kv segment boundaries.
+        ratio: compress ratio ``m >= 1``; blocks of ``m`` tokens from each document start.
+
+    Returns:
+        :class:`CompressedSeqlens` with ``cu_seqlens`` ``[B + 1]`` and ``residuals`` ``[B]``.
+
+    Raises:
+        TypeError: non-int ratio or non-integer cu_seqlens_kv.
+        ValueError: ratio < 1 or invalid cu_seqlens_kv.
+
+    Example:
+        >>> compress_cu_seqlens(torch.tensor([0, 5, 12, 16]), 4)
+        CompressedSeqlens(cu_seqlens=tensor([0, 1, 2, 3]), residuals=tensor([1, 3, 0]))
+    """
+    check_int("ratio", ratio, minimum=1)
+    validate_cu_seqlens(cu_seqlens_kv, name="cu_seqlens_kv")
+    lengths = cu_seqlens_kv.diff()
+    blocks = torch.div(lengths, ratio, rounding_mode="floor")
+    cu = torch.cat([cu_seqlens_kv.new_zeros(1), blocks.cumsum(0).to(cu_seqlens_kv.dtype)])
+    return CompressedSeqlens(cu_seqlens=cu, residuals=lengths - blocks * ratio)
