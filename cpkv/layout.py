@@ -192,3 +192,23 @@ def compress_cu_seqlens(cu_seqlens_kv: Tensor, ratio: int) -> CompressedSeqlens:
     blocks = torch.div(lengths, ratio, rounding_mode="floor")
     cu = torch.cat([cu_seqlens_kv.new_zeros(1), blocks.cumsum(0).to(cu_seqlens_kv.dtype)])
     return CompressedSeqlens(cu_seqlens=cu, residuals=lengths - blocks * ratio)
+
+
+def token_positions(cu_seqlens: Tensor, start: int, length: int) -> Tensor:
+    """Position of each packed token ``start .. start + length - 1`` within its document.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` global leading-zero cu_seqlens.
+        start, length: the packed token range (e.g. a rank's ``rank_offset``, ``local_len``).
+
+    Returns:
+        ``[length]`` int64 on ``cu_seqlens.device``: ``token - start_of_its_document``
+        (what RoPE uses; zero-length documents are skipped).
+
+    Example:
+        >>> token_positions(torch.tensor([0, 5, 12, 16]), 3, 5).tolist()
+        [3, 4, 0, 1, 2]
+    """
+    tokens = torch.arange(start, start + length, device=cu_seqlens.device)
+    doc = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
+    return tokens - cu_seqlens.long()[doc]

@@ -1,0 +1,169 @@
+"""Sparse shared-KV attention with the lightning indexer's KL loss (SEMANTICS section 6).
+
+Like the fused NPU op, one autograd Function returns the attention output and the
+loss value, and its backward produces both the attention gradients and the indexer
+gradients. The indexer gradients are injected with the factor ``grad_scale / N``
+(``N``: query tokens of the whole CP group, ``global_num_seqs``) whatever the
+upstream gradient of the returned loss is, so that summing over CP ranks equals the
+CP = 1 result. ``grad_scale`` and ``N`` travel in ``ctx`` (no class state), so layers
+with different scales, or backward passes on different threads, never mix.
+
+Target ``p[t]``: the main attention's probabilities of the selected compressed entries
+(window keys, compressed entries and the sink share one denominator), summed over all
+query heads and L1-normalised over the selection. Megatron instead renormalises per
+head before summing; with a window and a sink in the denominator the two differ and
+cpkv uses the definition above. No gradient flows into the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from cpkv.backends.reference import sparse_attention, sparse_attention_head_probs
+
+
+@dataclass(frozen=True)
+class IndexerLossConfig:
+    """Per-call options of :func:`sparse_attention_with_indexer_loss`.
+
+    Attributes:
+        d_v: value channels (the first ``d_v`` of the shared kv).
+        scale: softmax scale of the main attention.
+        num_window: leading columns of ``indices`` that are window keys; the remaining
+            ``K`` columns are the indexer's selections, in the order of ``selected``.
+        grad_scale: multiplies the indexer gradients (loss scale, micro-batch factor).
+        num_global_queries: ``N``, query tokens of the whole CP group.
+        block_size: query block of the reference computation.
+    """
+
+    d_v: int
+    scale: float
+    num_window: int
+    grad_scale: float
+    num_global_queries: int
+    block_size: int = 1024
+
+
+class SparseAttentionWithLoss(NamedTuple):
+    """``out`` ``[T, H, d_v]`` and ``loss``: ``sum_t KL(p_t || softmax(I_t))`` over local queries (0-d, fp32, for logging)."""
+
+    out: Tensor
+    loss: Tensor
+
+
+def selected_index_scores(q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, block_size: int) -> Tensor:
+    """Indexer scores of the selected entries, ``[T, K]`` fp32 (fp64 for fp64), -inf at -1 padding.
+
+    Args:
+        q_index: ``[T, H_I, D_I]``; k_index: ``[N_c, D_I]``; weights: ``[T, H_I]``;
+        selected: ``[T, K]`` int rows of ``k_index``, -1 padded.
+    """
+    dtype = torch.promote_types(q_index.dtype, torch.float32)
+    blocks = []
+    for start in range(0, selected.shape[0], block_size):
+        sel = selected[start : start + block_size]
+        keys = k_index.to(dtype)[sel.clamp(min=0)]
+        dots = torch.einsum("thd,tkd->thk", q_index[start : start + block_size].to(dtype), keys).relu()
+        score = torch.einsum("th,thk->tk", weights[start : start + block_size].to(dtype), dots)
+        blocks.append(score.masked_fill(sel < 0, float("-inf")))
+    if not blocks:
+        return q_index.new_zeros(selected.shape, dtype=dtype)
+    return torch.cat(blocks)
+
+
+def _kl_terms(scores: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-query KL(target || softmax(scores)) and softmax(scores), 0 where nothing is selected."""
+    has_any = valid.any(dim=-1, keepdim=True)
+    log_pred = torch.log_softmax(scores.masked_fill(~has_any, 0.0), dim=-1)
+    log_pred = torch.where(valid, log_pred, torch.zeros_like(log_pred))
+    log_target = torch.where(target > 0, target.clamp_min(1e-30).log(), torch.zeros_like(target))
+    kl = (target * (log_target - log_pred)).sum(dim=-1)
+    return kl, torch.where(valid, log_pred.exp(), torch.zeros_like(log_pred))
+
+
+class _SparseAttentionIndexerLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, kv: Tensor, sinks: Tensor | None, q_index: Tensor, k_index: Tensor,
+        weights: Tensor, indices: Tensor, selected: Tensor, config: IndexerLossConfig,
+    ) -> tuple[Tensor, Tensor]:
+        result = sparse_attention(q, kv, indices, d_v=config.d_v, scale=config.scale, sinks=sinks, block_size=config.block_size)
+        probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
+        picked = probs[:, config.num_window :].to(torch.promote_types(q_index.dtype, torch.float32))
+        valid = selected >= 0
+        picked = torch.where(valid, picked, torch.zeros_like(picked))
+        target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
+        scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
+        kl, _ = _kl_terms(scores, target, valid)
+        ctx.save_for_backward(q, kv, sinks, q_index, k_index, weights, indices, selected, target)
+        ctx.config = config
+        loss = kl.sum().float()
+        ctx.mark_non_differentiable(loss)
+        return result.out, loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        q, kv, sinks, q_index, k_index, weights, indices, selected, target = ctx.saved_tensors
+        config: IndexerLossConfig = ctx.config
+        attn_inputs = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in (q, kv, sinks)]
+        idx_inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q_index, k_index, weights)]
+        with torch.enable_grad():
+            out = sparse_attention(
+                attn_inputs[0], attn_inputs[1], indices, d_v=config.d_v, scale=config.scale,  # type: ignore[arg-type]
+                sinks=attn_inputs[2], block_size=config.block_size,
+            ).out
+            scores = selected_index_scores(idx_inputs[0], idx_inputs[1], idx_inputs[2], selected, config.block_size)
+            valid = selected >= 0
+            _, pred = _kl_terms(scores.detach(), target, valid)
+            grad_scores = (pred - target) * (config.grad_scale / config.num_global_queries)
+            grad_scores = torch.where(valid, grad_scores, torch.zeros_like(grad_scores))
+        attn_grads = _grads(out, attn_inputs, grad_out)
+        idx_grads = _grads(scores, idx_inputs, grad_scores)
+        return (*attn_grads, *idx_grads, None, None, None)
+
+
+def _grads(output: Tensor, inputs: list[Tensor | None], grad: Tensor) -> list[Tensor | None]:
+    """``d output / d inputs`` contracted with ``grad``; ``None`` for inputs without grad."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    if not wanted or not output.requires_grad:
+        return [None] * len(inputs)
+    found = iter(torch.autograd.grad(output, wanted, grad, allow_unused=True))
+    return [next(found) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def sparse_attention_with_indexer_loss(
+    q: Tensor, kv: Tensor, indices: Tensor, selected: Tensor, q_index: Tensor, k_index: Tensor,
+    weights: Tensor, *, sinks: Tensor | None, config: IndexerLossConfig,
+) -> SparseAttentionWithLoss:
+    """Sparse shared-KV attention whose backward also trains the indexer.
+
+    Args:
+        q: ``[T, H, D]`` queries. kv: ``[N, D]`` shared kv rows (values: first ``d_v``).
+        indices: ``[T, W + K]`` int rows of ``kv``, -1 padded: ``num_window`` window keys,
+            then the ``K`` selected compressed entries (same order as ``selected``).
+        selected: ``[T, K]`` int rows of ``k_index`` chosen by the indexer, -1 padded.
+        q_index, k_index, weights: indexer queries ``[T, H_I, D_I]``, keys ``[N_c, D_I]`` and
+            weights ``[T, H_I]`` (detached from the main graph by the caller).
+        sinks: ``[H]`` per-head sink logits or ``None``.
+        config: :class:`IndexerLossConfig` (``grad_scale`` and ``N`` live there, per call).
+
+    Returns:
+        :class:`SparseAttentionWithLoss`. Backward: attention gradients for ``q``, ``kv``,
+        ``sinks``; indexer gradients ``(softmax(I_t) - p_t) * grad_scale / N`` on the
+        selected scores, chained into ``q_index``, ``k_index`` and ``weights``.
+
+    Raises:
+        ValueError: ``indices`` not ``num_window + K`` wide.
+    """
+    if indices.shape[1] != config.num_window + selected.shape[1]:
+        raise ValueError(
+            f"indices must be [T, num_window + K] = [T, {config.num_window + selected.shape[1]}], got {tuple(indices.shape)}"
+        )
+    out, loss = _SparseAttentionIndexerLoss.apply(  # type: ignore[no-untyped-call]
+        q, kv, sinks, q_index, k_index, weights, indices, selected, config
+    )
+    return SparseAttentionWithLoss(out, loss)

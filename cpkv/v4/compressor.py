@@ -1,0 +1,75 @@
+"""Learned gated pooling of ``m`` tokens into one compressed kv entry (SEMANTICS section 5)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from cpkv.attention_plan import CompressedPlan
+from cpkv.v4.rope import apply_rope
+
+
+class Compressor(nn.Module):
+    """Gated pooling compressor, computed in fp32.
+
+    Entry ``j`` of a document pools block ``j`` (tokens ``j*m .. (j+1)*m - 1`` from the
+    document start): ``C_j[c] = sum_i softmax_i(z_i[c]) * a_i[c]`` with ``a = Wkv x``,
+    ``z = Wgate x + ape[i mod m]``. With ``overlap`` (V4 uses it for ``m = 4``)
+    ``Wkv``, ``Wgate`` and ``ape`` are ``2 * head_dim`` wide and entry ``j`` pools 2m
+    slots: the previous block's first-half channels and this block's second-half
+    channels (the previous block is empty, score -inf, for ``j = 0``). Then RMSNorm and
+    RoPE on the last ``rope_dim`` channels at position ``j * m``. Trailing partial
+    blocks produce no entry.
+    """
+
+    def __init__(
+        self, hidden: int, head_dim: int, ratio: int, *, rope_dim: int, rope_base: float, overlap: bool | None = None
+    ) -> None:
+        super().__init__()
+        if ratio < 2:
+            raise ValueError(f"ratio must be >= 2 for a compressor, got {ratio}")
+        self.ratio, self.head_dim, self.rope_dim, self.rope_base = ratio, head_dim, rope_dim, rope_base
+        self.overlap = ratio == 4 if overlap is None else overlap
+        width = head_dim * (2 if self.overlap else 1)
+        self.wkv = nn.Linear(hidden, width, bias=False)
+        self.wgate = nn.Linear(hidden, width, bias=False)
+        self.ape = nn.Parameter(torch.randn(ratio, width) * 0.1)
+        self.norm_weight = nn.Parameter(torch.ones(head_dim))
+
+    def _project(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """``a``, ``z`` of the tokens at ``rows`` ``[N_c, m]`` -> ``[N_c, m, width]`` each."""
+        tokens = x[rows].float() if x.dtype != torch.float64 else x[rows]
+        dtype = tokens.dtype
+        a = nn.functional.linear(tokens, self.wkv.weight.to(dtype))
+        z = nn.functional.linear(tokens, self.wgate.weight.to(dtype)) + self.ape.to(dtype)
+        return a, z
+
+    def forward(self, x: Tensor, plan: CompressedPlan) -> Tensor | None:
+        """Compress the packed kv-prefix inputs ``x``.
+
+        Args:
+            x: ``[T_kv, hidden]`` compressor inputs of the kv prefix segments (packed,
+                each segment starting at its document start).
+            plan: the :class:`CompressedPlan` of these segments at ``self.ratio``.
+
+        Returns:
+            ``[N_c, head_dim]`` entries in document order (fp32, fp64 for fp64 input), or
+            ``None`` when no segment holds a full block.
+        """
+        if plan.ratio != self.ratio:
+            raise ValueError(f"plan.ratio ({plan.ratio}) must equal the compressor's ratio ({self.ratio})")
+        if plan.num_entries == 0:
+            return None
+        slots = torch.arange(self.ratio, device=x.device)
+        rows = plan.block_starts[:, None] + slots
+        a, z = self._project(x, rows)
+        if self.overlap:
+            d = self.head_dim
+            a_prev, z_prev = self._project(x, (rows - self.ratio).clamp(min=0))
+            first = (plan.entry_positions == 0)[:, None, None]
+            z_prev = z_prev[..., :d].masked_fill(first, float("-inf"))
+            a = torch.cat([a_prev[..., :d].masked_fill(first, 0.0), a[..., d:]], dim=1)
+            z = torch.cat([z_prev, z[..., d:]], dim=1)
+        pooled = (torch.softmax(z, dim=1) * a).sum(dim=1)
+        normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight.to(pooled.dtype)
+        return apply_rope(normed, plan.entry_positions, rope_dim=self.rope_dim, base=self.rope_base)

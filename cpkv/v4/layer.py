@@ -1,0 +1,124 @@
+"""The V4-style attention layer: projections, RoPE, sinks and the CP entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from cpkv.attention import AttentionSpec, attention_forward
+from cpkv.attention_plan import AttentionPlan
+from cpkv.backends import AttentionBackend
+from cpkv.comm import Group
+from cpkv.compress_mode import LayerCompressMode
+from cpkv.v4.compressor import Compressor
+from cpkv.v4.indexer import Indexer
+from cpkv.v4.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """Dimensions of the small V4-style layer (defaults: hidden 64, 4 heads of 32, rope 8).
+
+    ``compress_ratio`` picks the mode (0/1: NO_COMPRESS, 4: INDEXER, other > 1:
+    COMPRESSOR_ONLY). Compressed layers use ``compress_rope_base`` (V4 uses a different
+    base for them). ``window=None`` gives dense causal attention (NO_COMPRESS only).
+    """
+
+    hidden: int = 64
+    heads: int = 4
+    head_dim: int = 32
+    rope_dim: int = 8
+    window: int | None = 16
+    compress_ratio: int = 0
+    topk: int = 4
+    index_heads: int = 2
+    index_head_dim: int = 16
+    rope_base: float = 10000.0
+    compress_rope_base: float = 160000.0
+    sinks: bool = True
+
+    @property
+    def d_v(self) -> int:
+        """Value channels: the non-rope part of the shared kv."""
+        return self.head_dim - self.rope_dim
+
+    @property
+    def mode(self) -> LayerCompressMode:
+        """The layer's compress mode."""
+        return LayerCompressMode.from_compress_ratio(self.compress_ratio)
+
+    @property
+    def spec(self) -> AttentionSpec:
+        """The :class:`AttentionSpec` the pipeline runs with."""
+        return AttentionSpec(d_v=self.d_v, compress_ratio=self.compress_ratio, window=self.window, topk=self.topk)
+
+
+class LayerOutput(NamedTuple):
+    """``out`` ``[T, hidden]``; ``indexer_loss``: ``sum_t KL_t`` (INDEXER layers, for logging) or ``None``."""
+
+    out: Tensor
+    indexer_loss: Tensor | None
+
+
+class V4Attention(nn.Module):
+    """Shared-KV MQA with sliding window, sinks, compressor and indexer (random init)."""
+
+    def __init__(self, config: V4Config, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        config.spec.validate()
+        torch.manual_seed(seed)
+        c = config
+        self.rope_base = c.compress_rope_base if c.mode.compresses else c.rope_base
+        self.wq = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.hidden, c.head_dim, bias=False)
+        self.wo = nn.Linear(c.heads * c.d_v, c.hidden, bias=False)
+        self.sinks = nn.Parameter(torch.randn(c.heads) * 0.5) if c.sinks else None
+        self.compressor = (
+            Compressor(c.hidden, c.head_dim, c.compress_ratio, rope_dim=c.rope_dim, rope_base=self.rope_base)
+            if c.mode.compresses else None
+        )
+        self.indexer = (
+            Indexer(c.hidden, c.index_heads, c.index_head_dim, rope_dim=c.rope_dim, rope_base=self.rope_base)
+            if c.mode is LayerCompressMode.INDEXER else None
+        )
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries ``[T, H, head_dim]`` and shared kv ``[T, head_dim]``, RoPE at ``positions``."""
+        c = self.config
+        q = self.wq(x).unflatten(-1, (c.heads, c.head_dim))
+        q = apply_rope(q, positions, rope_dim=c.rope_dim, base=self.rope_base)
+        kv = apply_rope(self.wkv(x), positions, rope_dim=c.rope_dim, base=self.rope_base)
+        return q, kv
+
+    def forward(
+        self, x: Tensor, cu_seqlens: Tensor, group: Group, *, plan: AttentionPlan,
+        backend: str | AttentionBackend = "reference", grad_scale: float = 1.0, ring_degree: int = 1,
+    ) -> LayerOutput:
+        """The layer on this rank's contiguous TND shard ``x`` ``[T/cp, hidden]`` under CP.
+
+        ``plan`` comes from :func:`cpkv.plan_attention` (once per micro-batch, with this
+        layer's ``compress_ratio`` among ``compress_ratios``).
+        """
+        q, kv = self.project(x, plan.segments.q_positions)
+        result = attention_forward(
+            q, kv, cu_seqlens, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
+            compressor=self.compressor, indexer=self.indexer, plan=plan, backend=backend,
+            ring_degree=ring_degree, grad_scale=grad_scale,
+        )
+        out: Tensor = self.wo(result.out.flatten(1))
+        return LayerOutput(out, result.indexer_loss)
+
+    def reference_forward(self, x: Tensor, cu_seqlens: Tensor, *, grad_scale: float = 1.0) -> LayerOutput:
+        """The whole packed batch ``x`` ``[T, hidden]`` in one process, by dense brute force.
+
+        Independent of the CP pipeline: explicit ``[T, T + N_c]`` masks, a dense softmax
+        with sinks, and the indexer loss by plain autograd of ``grad_scale * sum_t KL_t / T``.
+        Memory is quadratic in ``T``: for tests and the demo.
+        """
+        from cpkv.v4.dense_reference import dense_layer_attention
+
+        return dense_layer_attention(self, x, cu_seqlens, grad_scale=grad_scale)
