@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpkv._checks import check_int, check_ndim, check_tensor
-from cpkv.attention_plan import AttentionPlan, CompressedPlan, SegmentPlan, plan_attention
+from cpkv.attention_plan import AttentionPlan, BSNDPlan, CompressedPlan, SegmentPlan, plan_attention, plan_attention_bsnd
 from cpkv.backends import AttentionBackend, get_backend
 from cpkv.comm import Group, gather_from_sp_cp
 from cpkv.compress_mode import LayerCompressMode
@@ -232,3 +232,61 @@ def attention_forward(
         hidden_prefix=hidden_prefix, compressor=compressor, indexer=indexer, grad_scale=grad_scale,
         num_global_queries=plan.num_global_queries,
     )
+
+
+def attention_forward_bsnd(
+    q: Tensor, kv: Tensor, group: Group, *, spec: AttentionSpec, sinks: Tensor | None = None,
+    hidden: Tensor | None = None, compressor: CompressorFn | None = None, indexer: IndexerFn | None = None,
+    plan: BSNDPlan | None = None, backend: str | AttentionBackend = "reference", ring_degree: int = 1,
+    grad_scale: float = 1.0,
+) -> AttentionOutput:
+    """Prefix attention of this rank's zigzag BSND shard (two steps, see :class:`BSNDPlan`).
+
+    The same functions as the TND path: the kv (and compressor inputs) are gathered with
+    ``gather_from_sp_cp(..., tnd=False, dim=1)`` (zigzag -> natural order), then each
+    local chunk runs :func:`attend_prefix` against its causal prefix.
+
+    Args:
+        q: ``[B, S/cp, H, D]`` this rank's queries (chunks ``r``, ``2cp-1-r``), RoPE applied at
+            ``plan.positions``.
+        kv: ``[B, S/cp, D]`` shared kv; hidden: ``[B, S/cp, hidden]`` (compressed modes).
+        group, spec, sinks, compressor, indexer, backend, ring_degree, grad_scale: as
+            :func:`attention_forward`.
+        plan: from :func:`~cpkv.attention_plan.plan_attention_bsnd`; built here when ``None``.
+
+    Returns:
+        :class:`AttentionOutput` with ``out`` ``[B, S/cp, H, d_v]``; ``indexer_loss`` sums both steps.
+
+    Raises:
+        ValueError, TypeError: bad shapes or options, on every rank before any collective.
+    """
+    if check_int("ring_degree", ring_degree, minimum=1) != 1:
+        raise ValueError(f"ring_degree={ring_degree}: only 1 (one all-gather round) is implemented so far")
+    check_ndim("q", check_tensor("q", q), 4, "[B, S/cp, H, D]")
+    check_ndim("kv", check_tensor("kv", kv), 3, "[B, S/cp, D]")
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    batch, local = q.shape[0], q.shape[1]
+    if plan is None:
+        ratios = [spec.compress_ratio] if spec.mode.compresses else []
+        plan = plan_attention_bsnd(batch, local * cp_size, cp_size, cp_rank, compress_ratios=ratios, device=q.device)
+    if (plan.batch, plan.seq_len, plan.cp_size, plan.cp_rank) != (batch, local * cp_size, cp_size, cp_rank):
+        raise ValueError(f"plan (B={plan.batch}, S={plan.seq_len}, cp={plan.cp_size}, rank={plan.cp_rank}) does not match this call")
+    flat_hidden = hidden.flatten(0, 1) if hidden is not None else None
+    _check_inputs(q.flatten(0, 1), kv.flatten(0, 1), flat_hidden, spec, batch * local, compressor, indexer)
+    kv_full = gather_from_sp_cp(kv, group, tnd=False, dim=1)
+    hidden_full = gather_from_sp_cp(hidden, group, tnd=False, dim=1) if spec.mode.compresses and hidden is not None else None
+    c, outs, losses, ratio = plan.chunk_len, [], [], 1
+    for k, (segments, prefix_len) in enumerate(zip(plan.steps, plan.prefix_lens)):
+        local_rows = slice(k * c, (k + 1) * c)
+        result = attend_prefix(
+            q[:, local_rows].flatten(0, 1), kv_full[:, :prefix_len].flatten(0, 1), segments, spec=spec,
+            backend=get_backend(backend), sinks=sinks,
+            hidden=hidden[:, local_rows].flatten(0, 1) if hidden is not None else None,
+            hidden_prefix=hidden_full[:, :prefix_len].flatten(0, 1) if hidden_full is not None else None,
+            compressor=compressor, indexer=indexer, grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
+        )
+        outs.append(result.out.reshape(batch, c, *result.out.shape[1:]))
+        losses += [result.indexer_loss] if result.indexer_loss is not None else []
+        ratio = max(ratio, result.effective_ratio)
+    loss = torch.stack(losses).sum() if losses else None
+    return AttentionOutput(torch.cat(outs, dim=1), loss, ratio)

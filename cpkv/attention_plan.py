@@ -23,7 +23,7 @@ from torch import Tensor
 from cpkv._checks import check_int
 from cpkv.layout import compress_cu_seqlens, token_positions, validate_cu_seqlens
 from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens
-from cpkv.sharding import contiguous_shard_range
+from cpkv.sharding import contiguous_shard_range, zigzag_chunks
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,4 +218,69 @@ def plan_attention(
     return AttentionPlan(prefix, segments, int(cu_seqlens[-1]), cp_size, cp_rank)
 
 
-__all__ = ["AttentionPlan", "CompressedPlan", "SegmentPlan", "plan_attention", "plan_segments", "token_positions"]
+@dataclass(frozen=True, eq=False)
+class BSNDPlan:
+    """One rank's plan for zigzag fixed-length (BSND) sharding: two steps, two prefixes.
+
+    Rank ``r`` holds sequence chunks ``r`` and ``2cp-1-r`` (chunk length ``c = S / (2cp)``).
+    Their causal prefixes ``[0, (r+1)c)`` and ``[0, (2cp-r)c)`` overlap, so attention runs
+    in two steps (TransformerEngine's kv-all-gather CP does the same): step ``k`` pairs
+    local chunk ``k`` of every batch element with its prefix, as a TND problem of ``B``
+    equal segments. The shorter prefix's kv is read twice (and, in compressed layers,
+    compressed twice): ``(r+1)/(2cp-r)`` extra work over a single step.
+
+    Attributes:
+        steps: the two :class:`SegmentPlan` (local chunk 0, local chunk 1).
+        prefix_lens: ``((r+1)c, (2cp-r)c)``, the prefix length of each step.
+        chunk_len: ``c``.
+        positions: ``[S / cp]`` int64 sequence positions of the local tokens (RoPE).
+        num_global_queries: ``B * S``.
+    """
+
+    steps: tuple[SegmentPlan, SegmentPlan]
+    prefix_lens: tuple[int, int]
+    chunk_len: int
+    positions: Tensor
+    batch: int
+    seq_len: int
+    cp_size: int
+    cp_rank: int
+    num_global_queries: int
+
+
+def plan_attention_bsnd(
+    batch: int, seq_len: int, cp_size: int, cp_rank: int, *,
+    compress_ratios: Sequence[int] = (), device: torch.device | str | None = None,
+) -> BSNDPlan:
+    """Pure per-rank plan for zigzag BSND sharding (no communication).
+
+    Args:
+        batch: ``B``. seq_len: the global sequence length ``S``, ``S % (2 * cp_size) == 0``.
+        cp_size, cp_rank: CP group size and this rank.
+        compress_ratios: ratios ``> 1`` the layers use.
+        device: where the plan's tensors live.
+
+    Raises:
+        ValueError: ``S`` not divisible by ``2 * cp_size``, rank out of range.
+
+    Example:
+        >>> plan = plan_attention_bsnd(1, 8, 2, 0)
+        >>> plan.prefix_lens, plan.positions.tolist()
+        ((2, 8), [0, 1, 6, 7])
+    """
+    check_int("batch", batch, minimum=1)
+    check_int("seq_len", seq_len, minimum=0)
+    chunks = zigzag_chunks(cp_size, cp_rank)
+    if seq_len % (2 * cp_size) != 0:
+        raise ValueError(f"seq_len={seq_len} must be divisible by 2*cp_size = {2 * cp_size} (zigzag chunks); pad the sequence")
+    c = seq_len // (2 * cp_size)
+    segments = []
+    for chunk in chunks:
+        cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * c
+        segments.append(plan_segments(cu_q, cu_q * (chunk + 1), compress_ratios=compress_ratios))
+    positions = torch.cat([torch.arange(ch * c, (ch + 1) * c, device=device) for ch in chunks])
+    return BSNDPlan(
+        steps=(segments[0], segments[1]), prefix_lens=((chunks[0] + 1) * c, (chunks[1] + 1) * c), chunk_len=c,
+        positions=positions, batch=batch, seq_len=seq_len, cp_size=cp_size, cp_rank=cp_rank,
+        num_global_queries=batch * seq_len,
+    )

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from cpkv.attention import AttentionSpec, attention_forward
-from cpkv.attention_plan import AttentionPlan
+from cpkv.attention import AttentionSpec, attention_forward, attention_forward_bsnd
+from cpkv.attention_plan import AttentionPlan, BSNDPlan
 from cpkv.backends import AttentionBackend
 from cpkv.comm import Group
 from cpkv.compress_mode import LayerCompressMode
@@ -110,6 +110,21 @@ class V4Attention(nn.Module):
             ring_degree=ring_degree, grad_scale=grad_scale,
         )
         out: Tensor = self.wo(result.out.flatten(1))
+        return LayerOutput(out, result.indexer_loss)
+
+    def forward_bsnd(
+        self, x: Tensor, group: Group, *, plan: BSNDPlan,
+        backend: str | AttentionBackend = "reference", grad_scale: float = 1.0,
+    ) -> LayerOutput:
+        """The layer on this rank's zigzag BSND shard ``x`` ``[B, S/cp, hidden]`` under CP."""
+        batch, local = x.shape[0], x.shape[1]
+        q, kv = self.project(x.flatten(0, 1), plan.positions.repeat(batch))
+        result = attention_forward_bsnd(
+            q.reshape(batch, local, *q.shape[1:]), kv.reshape(batch, local, -1), group, spec=self.config.spec,
+            sinks=self.sinks, hidden=x, compressor=self.compressor, indexer=self.indexer, plan=plan,
+            backend=backend, grad_scale=grad_scale,
+        )
+        out: Tensor = self.wo(result.out.flatten(2))
         return LayerOutput(out, result.indexer_loss)
 
     def reference_forward(self, x: Tensor, cu_seqlens: Tensor, *, grad_scale: float = 1.0) -> LayerOutput:

@@ -1,0 +1,191 @@
+"""CP-equivalence suite: attention_forward on gloo ranks equals the single-process layer.
+
+For every compress mode (NO_COMPRESS with a window and dense causal, COMPRESSOR_ONLY,
+INDEXER, the compressor-None fallback) and for zigzag BSND, at cp 1-4: the local outputs
+and input gradients concatenated over ranks, and every parameter gradient summed over
+ranks (what CP gradient reduction does), match the dense single-process oracle
+``V4Attention.reference_forward`` on the whole batch.
+
+Tolerances: fp32 relative error <= 1e-5 (both sides accumulate in fp32; the observed
+error is ~1e-7, reordering of sums only). bf16: the CP error against a float64 run is at
+most twice the single-process bf16 error against the same float64 run, plus a floor of
+one bf16 ulp-ish (2**-8) relative, since both runs round inputs, weights and outputs to
+bf16 and differ only in accumulation order.
+
+One spawn per cp runs every case (spawning costs seconds).
+"""
+
+from typing import Any
+
+import pytest
+import torch
+
+from cpkv.attention_plan import plan_attention, plan_attention_bsnd
+from cpkv.launch import spawn
+from cpkv.layout import seqlens_to_cu_seqlens
+from cpkv.sharding import shard_contiguous, shard_zigzag
+from cpkv.v4 import V4Attention, V4Config
+
+# 144 tokens (divisible by cp 1-4): zero-length documents, documents shorter than one
+# block (ratio 4 and 8), and documents straddling several ranks at every cp.
+LENGTHS = [5, 0, 37, 3, 2, 60, 21, 0, 1, 15]
+SHORT_LENGTHS = [5, 7, 3, 0, 9, 6, 2, 4, 11, 1]  # 48 tokens, no document reaches ratio 16
+GRAD_SCALE = 3.0
+BSND_BATCH, BSND_SEQ = 2, 48
+
+CASES: dict[str, tuple[V4Config, list[int]]] = {
+    "window": (V4Config(compress_ratio=0, window=16), LENGTHS),
+    "dense": (V4Config(compress_ratio=0, window=None), LENGTHS),
+    "compressor": (V4Config(compress_ratio=8), LENGTHS),
+    "indexer": (V4Config(compress_ratio=4, topk=4), LENGTHS),
+    "fallback": (V4Config(compress_ratio=16), SHORT_LENGTHS),
+}
+BSND_CASES = ["window", "compressor", "indexer"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _inputs(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(num_tokens, 64, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(num_tokens, 64, generator=gen, dtype=torch.float64)
+    return x.to(dtype), grad_out.to(dtype)
+
+
+def _layer(config: V4Config, dtype: torch.dtype) -> V4Attention:
+    return V4Attention(config, seed=5).to(dtype)
+
+
+def _param_grads(layer: V4Attention) -> dict[str, torch.Tensor | None]:
+    return {name: (p.grad.clone() if p.grad is not None else None) for name, p in layer.named_parameters()}
+
+
+def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str, Any]:
+    config, lengths = CASES[name]
+    cu = seqlens_to_cu_seqlens(lengths)
+    x, grad_out = _inputs(int(cu[-1]), dtype)
+    layer = _layer(config, dtype)
+    plan = plan_attention(cu, world, rank, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
+    x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+    result = layer(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE)
+    result.out.backward(shard_contiguous(grad_out, world, rank))
+    return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
+
+
+def _bsnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str, Any]:
+    config = CASES[name][0]
+    x, grad_out = _inputs(BSND_BATCH * BSND_SEQ, dtype)
+    x, grad_out = x.reshape(BSND_BATCH, BSND_SEQ, -1), grad_out.reshape(BSND_BATCH, BSND_SEQ, -1)
+    layer = _layer(config, dtype)
+    ratios = [config.compress_ratio] if config.mode.compresses else []
+    plan = plan_attention_bsnd(BSND_BATCH, BSND_SEQ, world, rank, compress_ratios=ratios)
+    x_local = shard_zigzag(x, world, rank).clone().requires_grad_(True)
+    result = layer.forward_bsnd(x_local, None, plan=plan, grad_scale=GRAD_SCALE)
+    result.out.backward(shard_zigzag(grad_out, world, rank))
+    return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
+
+
+def _all_cases(rank: int, world: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for dtype_name, dtype in DTYPES.items():
+        for name in CASES:
+            results[f"tnd/{name}/{dtype_name}"] = _tnd_case(rank, world, name, dtype)
+        for name in BSND_CASES:
+            results[f"bsnd/{name}/{dtype_name}"] = _bsnd_case(rank, world, name, dtype)
+    return results
+
+
+def _reference(layout: str, name: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Single-process run on the whole batch (BSND as B equal documents)."""
+    config, lengths = CASES[name]
+    cu = seqlens_to_cu_seqlens(lengths if layout == "tnd" else [BSND_SEQ] * BSND_BATCH)
+    x, grad_out = _inputs(int(cu[-1]), dtype)
+    layer = _layer(config, dtype)
+    x = x.clone().requires_grad_(True)
+    result = layer.reference_forward(x, cu, grad_scale=GRAD_SCALE)
+    result.out.backward(grad_out)
+    return {"out": result.out.detach(), "grad_x": x.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
+
+
+def _combine(layout: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Concatenate outputs/input grads in natural order; sum parameter grads over ranks."""
+    if layout == "tnd":
+        out = torch.cat([r["out"] for r in per_rank])
+        grad_x = torch.cat([r["grad_x"] for r in per_rank])
+    else:
+        from cpkv.sharding import unshard_zigzag
+
+        out = unshard_zigzag([r["out"] for r in per_rank]).flatten(0, 1)
+        grad_x = unshard_zigzag([r["grad_x"] for r in per_rank]).flatten(0, 1)
+    params: dict[str, torch.Tensor | None] = {}
+    for name in per_rank[0]["params"]:
+        grads = [r["params"][name] for r in per_rank if r["params"][name] is not None]
+        params[name] = torch.stack([g.double() for g in grads]).sum(0) if grads else None
+    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
+    return {"out": out, "grad_x": grad_x, "params": params, "loss": sum(float(v) for v in losses) if losses else None}
+
+
+def _flat(result: dict[str, Any]) -> dict[str, torch.Tensor]:
+    flat = {"out": result["out"].double(), "grad_x": result["grad_x"].double()}
+    for name, grad in result["params"].items():
+        if grad is not None:
+            flat[f"param:{name}"] = grad.double()
+    return flat
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"cp{w}")
+def cp_run(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
+    world: int = request.param
+    per_rank = spawn(_all_cases, world, timeout=240.0)
+    keys = per_rank[0].keys()
+    return world, {k: _combine(k.split("/")[0], [r[k] for r in per_rank]) for k in keys}
+
+
+CASE_IDS = [f"tnd/{n}" for n in CASES] + [f"bsnd/{n}" for n in BSND_CASES]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_fp32_matches_single_process(cp_run: tuple[int, dict[str, Any]], case: str) -> None:
+    _world, results = cp_run
+    layout, name = case.split("/")
+    expected, actual = _flat(_reference(layout, name, torch.float32)), _flat(results[f"{case}/fp32"])
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert _rel_err(actual[key], expected[key]) <= 1e-5, key
+    ref_loss = _reference(layout, name, torch.float32)["loss"]
+    if ref_loss is not None:
+        assert results[f"{case}/fp32"]["loss"] == pytest.approx(float(ref_loss), rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_bf16_error_within_twice_single_process(cp_run: tuple[int, dict[str, Any]], case: str) -> None:
+    _world, results = cp_run
+    layout, name = case.split("/")
+    exact = _flat(_reference(layout, name, torch.float64))
+    single = _flat(_reference(layout, name, torch.bfloat16))
+    actual = _flat(results[f"{case}/bf16"])
+    for key in exact:
+        assert _rel_err(actual[key], exact[key]) <= 2 * _rel_err(single[key], exact[key]) + 2**-8, key
+
+
+@pytest.mark.timeout(300)
+def test_compressor_only_compressor_learns_like_cp1(cp_run: tuple[int, dict[str, Any]]) -> None:
+    _world, results = cp_run
+    expected = _reference("tnd", "compressor", torch.float32)["params"]
+    for name in ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape", "compressor.norm_weight"):
+        grad = results["tnd/compressor/fp32"]["params"][name]
+        assert grad is not None and float(grad.abs().max()) > 1e-3, name
+        assert _rel_err(grad, expected[name].double()) <= 1e-5, name
+
+
+@pytest.mark.timeout(300)
+def test_indexer_learns_only_from_its_loss(cp_run: tuple[int, dict[str, Any]]) -> None:
+    _world, results = cp_run
+    params = results["tnd/indexer/fp32"]["params"]
+    indexer_grads = {k: v for k, v in params.items() if k.startswith("indexer.")}
+    assert indexer_grads and all(v is not None and float(v.abs().max()) > 0 for v in indexer_grads.values())
