@@ -11,9 +11,12 @@ Pure, typed functions over tensors and explicit process groups:
   and their inverses;
 * collectives: :func:`gather_from_sp_cp`, :func:`global_num_seqs`,
   :func:`all_gather_qk_weight_kvallgather`;
-* DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`.
+* DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`;
+* the pipeline: :func:`plan_attention`, :func:`attention_forward` (and the BSND variants).
 """
 
+from cpkv.attention import AttentionOutput, AttentionSpec, attend_prefix, attention_forward, attention_forward_bsnd
+from cpkv.attention_plan import AttentionPlan, BSNDPlan, SegmentPlan, plan_attention, plan_attention_bsnd, plan_segments
 from cpkv.comm import IndexerInputs, all_gather_qk_weight_kvallgather, gather_from_sp_cp, global_num_seqs
 from cpkv.compress_mode import LayerCompressMode, effective_cmp_ratio
 from cpkv.layout import (
@@ -22,6 +25,7 @@ from cpkv.layout import (
     compress_cu_seqlens,
     cu_seqlens_to_actual_seq_len,
     seqlens_to_cu_seqlens,
+    token_positions,
     validate_cu_seqlens,
 )
 from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
@@ -38,6 +42,18 @@ from cpkv.sharding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionOutput",
+    "AttentionPlan",
+    "AttentionSpec",
+    "BSNDPlan",
+    "SegmentPlan",
+    "attend_prefix",
+    "attention_forward",
+    "attention_forward_bsnd",
+    "plan_attention",
+    "plan_attention_bsnd",
+    "plan_segments",
+    "token_positions",
     "CompressedSeqlens",
     "IndexerInputs",
     "LayerCompressMode",

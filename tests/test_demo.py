@@ -1,0 +1,40 @@
+"""The demo (the README's main job) runs, checks and fails loudly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cpkv import demo
+
+
+@pytest.mark.timeout(180)
+def test_demo_spawned_ranks_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--cp", "3", "--tokens", "192"]) == 0
+    out = capsys.readouterr().out
+    assert "| indexer | 3 | fp32 |" in out and "OK: 4 mode(s)" in out
+
+
+@pytest.mark.timeout(180)
+def test_demo_under_torchrun() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "cpkv.demo", "--tokens", "128", "--mode", "compressor"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| compressor | 2 | fp32 |" in proc.stdout and proc.stdout.count("OK: 1 mode(s)") == 1
+
+
+def test_verdict_rejects_a_mismatch() -> None:
+    row = {"cp_out": 1e-3, "cp_grads": 1e-7, "sp_out": 0.0, "sp_grads": 0.0}
+    assert not demo._verdict(row, "fp32")
+    assert demo._verdict({**row, "cp_out": 1e-6}, "fp32")
+    assert not demo._verdict({**row, "cp_out": 0.1, "sp_out": 0.01}, "bf16")
+
+
+def test_bad_flags_exit_with_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        demo.main(["--cp", "3", "--tokens", "100"])
+    with pytest.raises(SystemExit):
+        demo.main(["--ring-degree", "2"])
