@@ -25,10 +25,14 @@ from cpkv._checks import check_int, check_ndim, check_tensor
 from cpkv.attention_plan import AttentionPlan, BSNDPlan, CompressedPlan, SegmentPlan, plan_attention, plan_attention_bsnd
 from cpkv.backends import AttentionBackend, get_backend
 from cpkv.comm import Group, gather_from_sp_cp
+from cpkv.exchange import NeedPlan, exchange_rows
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.indexer_loss import IndexerLossConfig
 from cpkv.layout import validate_cu_seqlens
 from cpkv.plan import rearrange_prefix_kv
+
+
+EXCHANGES = ("allgather", "need")
 
 
 @dataclass(frozen=True)
@@ -97,53 +101,63 @@ class AttentionOutput(NamedTuple):
     effective_ratio: int
 
 
+class IndexerTensors(NamedTuple):
+    """The indexer's inputs for one attention call (all computed from detached inputs).
+
+    Attributes:
+        q_index: ``[T_q, H_I, D_I]``; weights: ``[T_q, H_I]``; k_index: ``[N_c, D_I]`` keys of
+            the same compressed entries (same order) as the main compressed kv.
+    """
+
+    q_index: Tensor
+    weights: Tensor
+    k_index: Tensor
+
+
 def attend_prefix(
-    q: Tensor, kv_prefix: Tensor, segments: SegmentPlan, *, spec: AttentionSpec, backend: AttentionBackend,
-    sinks: Tensor | None = None, hidden: Tensor | None = None, hidden_prefix: Tensor | None = None,
-    compressor: CompressorFn | None = None, indexer: IndexerFn | None = None,
+    q: Tensor, kv: Tensor, segments: SegmentPlan, *, spec: AttentionSpec, backend: AttentionBackend,
+    sinks: Tensor | None = None, compressed: Tensor | None = None, indexer_tensors: IndexerTensors | None = None,
+    kv_offset: int = 0, varlen_segments: SegmentPlan | None = None,
     grad_scale: float = 1.0, num_global_queries: int = 1,
 ) -> AttentionOutput:
-    """Attention of queries over their causal kv prefix, with compression and indexer.
+    """Attention of queries over their causal kv prefix and the prefix's compressed entries.
 
     Args:
-        q: ``[T_q, H, D]`` queries (RoPE applied). kv_prefix: ``[T_kv, D]`` shared kv of
-            the prefix segments of ``segments``.
+        q: ``[T_q, H, D]`` queries (RoPE applied).
+        kv: ``[T_kv - kv_offset, D]`` shared kv of the prefix segments of ``segments``,
+            possibly without its first ``kv_offset`` rows (keys no query can see).
         segments: the :class:`SegmentPlan` pairing queries with prefixes (planned with
             ``spec.compress_ratio`` for compressed layers).
-        hidden: ``[T_q, hidden]`` indexer inputs of the queries (INDEXER).
-        hidden_prefix: ``[T_kv, hidden]`` compressor inputs of the prefix (compressed modes).
-        compressor, indexer: the layer's modules (compressed modes / INDEXER).
+        compressed: ``[N_c, D]`` compressed entries of the prefix segments in plan order
+            (compressed layers), or ``None``: the layer then runs as NO_COMPRESS (ratio 1).
+        indexer_tensors: the indexer's queries, weights and keys (INDEXER layers).
+        kv_offset: prefix rows missing at the front of ``kv``.
+        varlen_segments: segments over ``kv`` for the varlen kernel when ``kv_offset > 0``.
         grad_scale, num_global_queries: the indexer-loss gradient factor ``grad_scale / N``.
     """
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     mode = spec.mode
-    compressed = cmp_plan = None
-    if mode.compresses:
-        if compressor is None or hidden_prefix is None:
-            raise ValueError(f"{mode.name} layers need compressor and hidden inputs")
-        cmp_plan = segments.compressed_for(spec.compress_ratio)
-        compressed = compressor(hidden_prefix, cmp_plan)
-    if compressed is None or cmp_plan is None or hidden_prefix is None or spec.window is None:
+    if compressed is None or spec.window is None or not mode.compresses:
         # NO_COMPRESS, or no full block in the prefix: the effective ratio is 1.
         result = backend.varlen_attention(
-            q, kv_prefix[:, None], kv_prefix[:, None, : spec.d_v], segments, scale=scale, window=spec.window, sinks=sinks
+            q, kv[:, None], kv[:, None, : spec.d_v], varlen_segments or segments,
+            scale=scale, window=spec.window, sinks=sinks,
         )
         return AttentionOutput(result.out, None, 1)
-    kv_all = torch.cat([kv_prefix, compressed.to(kv_prefix.dtype)])
+    cmp_plan = segments.compressed_for(spec.compress_ratio)
+    kv_all = torch.cat([kv, compressed.to(kv.dtype)])
     window_rows = segments.window_indices(spec.window)
+    window_rows = torch.where(window_rows >= 0, window_rows - kv_offset, -1)
     if mode is LayerCompressMode.COMPRESSOR_ONLY:
-        indices = torch.cat([window_rows, cmp_plan.visible_indices(offset=kv_prefix.shape[0])], dim=1)
+        indices = torch.cat([window_rows, cmp_plan.visible_indices(offset=kv.shape[0])], dim=1)
         result = backend.sparse_attention(q, kv_all, indices, segments, d_v=spec.d_v, scale=scale, sinks=sinks)
         return AttentionOutput(result.out, None, spec.compress_ratio)
-    if indexer is None or hidden is None:
-        raise ValueError("INDEXER layers need an indexer and the queries' hidden inputs")
-    q_index, weights = indexer.queries(hidden.detach(), segments.q_positions)
-    k_index = indexer.keys(hidden_prefix.detach(), segments.compressed_for(indexer.ratio))
-    if k_index is None:
-        raise ValueError("the indexer's compressor returned None while the main compressor did not")
+    if indexer_tensors is None:
+        raise ValueError("INDEXER layers need the indexer's tensors (indexer_tensors)")
+    q_index, weights, k_index = indexer_tensors
     with torch.no_grad():
         selected = backend.indexer_topk(q_index, k_index, weights, segments, cmp_plan, topk=spec.topk)
-    indices = torch.cat([window_rows, torch.where(selected >= 0, selected + kv_prefix.shape[0], -1)], dim=1)
+    indices = torch.cat([window_rows, torch.where(selected >= 0, selected + kv.shape[0], -1)], dim=1)
     config = IndexerLossConfig(
         d_v=spec.d_v, scale=scale, num_window=spec.window, grad_scale=grad_scale, num_global_queries=num_global_queries
     )
@@ -151,6 +165,46 @@ def attend_prefix(
         q, kv_all, indices, selected, q_index, k_index, weights, segments, sinks=sinks, config=config
     )
     return AttentionOutput(res.out, res.loss, spec.compress_ratio)
+
+
+def _compress_gathered(
+    segments: SegmentPlan, spec: AttentionSpec, hidden: Tensor | None, hidden_prefix: Tensor | None,
+    compressor: CompressorFn | None, indexer: IndexerFn | None,
+) -> tuple[Tensor | None, IndexerTensors | None]:
+    """Compressed entries (and indexer tensors) recomputed from the gathered prefix inputs."""
+    if not spec.mode.compresses or compressor is None or hidden_prefix is None:
+        return None, None
+    cmp_plan = segments.compressed_for(spec.compress_ratio)
+    compressed = compressor(hidden_prefix, cmp_plan)
+    if compressed is None or spec.mode is not LayerCompressMode.INDEXER or indexer is None or hidden is None:
+        return compressed, None
+    q_index, weights = indexer.queries(hidden.detach(), segments.q_positions)
+    k_index = indexer.keys(hidden_prefix.detach(), segments.compressed_for(indexer.ratio))
+    if k_index is None:
+        raise ValueError("the indexer's compressor returned None while the main compressor did not")
+    return compressed, IndexerTensors(q_index, weights, k_index)
+
+
+def _compress_exchanged(
+    need: NeedPlan, segments: SegmentPlan, spec: AttentionSpec, hidden: Tensor | None, width: int,
+    compressor: CompressorFn | None, indexer: IndexerFn | None, group: Group,
+) -> tuple[Tensor | None, IndexerTensors | None]:
+    """Compress the rank's own blocks, then exchange entries (never another rank's blocks)."""
+    if not spec.mode.compresses or compressor is None or hidden is None:
+        return None, None
+    plan = need.compressed[spec.compress_ratio]
+    local_inputs = torch.cat([exchange_rows(hidden, plan.hidden, group), hidden])
+    owned = compressor(local_inputs, plan.owned)
+    owned = owned if owned is not None else local_inputs.new_zeros((0, width))
+    compressed = torch.cat([exchange_rows(owned, plan.entries, group), owned])
+    tensors = None
+    if spec.mode is LayerCompressMode.INDEXER and indexer is not None:
+        q_index, weights = indexer.queries(hidden.detach(), segments.q_positions)
+        own_keys = indexer.keys(local_inputs.detach(), plan.owned)
+        own_keys = own_keys if own_keys is not None else q_index.new_zeros((0, q_index.shape[-1]))
+        keys = torch.cat([exchange_rows(own_keys, plan.entries, group), own_keys])
+        tensors = IndexerTensors(q_index, weights, keys)
+    return (compressed if compressed.shape[0] else None), tensors
 
 
 def _check_inputs(
@@ -181,8 +235,9 @@ def attention_forward(
     sinks: Tensor | None = None, hidden: Tensor | None = None, compressor: CompressorFn | None = None,
     indexer: IndexerFn | None = None, plan: AttentionPlan | None = None,
     backend: str | AttentionBackend = "reference", ring_degree: int = 1, grad_scale: float = 1.0,
+    exchange: str = "allgather",
 ) -> AttentionOutput:
-    """Prefix attention of this rank's contiguous TND shard (all-gather exchange).
+    """Prefix attention of this rank's contiguous TND shard.
 
     Args:
         q: ``[T/cp, H, D]`` this rank's queries, RoPE applied at document positions
@@ -200,6 +255,11 @@ def attention_forward(
         backend: ``"reference"`` or an :class:`AttentionBackend`.
         ring_degree: 1 (all-gather in one round); larger values are not implemented yet.
         grad_scale: multiplies the indexer-loss gradients (kept per call in autograd ctx).
+        exchange: ``"allgather"`` (every rank gathers all kv and compressor inputs and
+            recompresses its whole prefix, as MindSpeed does) or ``"need"`` (only the rows
+            the rank needs: the window halo or the first document's earlier part, the
+            compressor-input halo of its own blocks, and compressed entries owned by earlier
+            ranks; see :mod:`cpkv.exchange`). Identical results.
 
     Returns:
         :class:`AttentionOutput` with ``out`` ``[T/cp, H, d_v]``. Backward flows to ``q``,
@@ -212,26 +272,50 @@ def attention_forward(
     """
     if check_int("ring_degree", ring_degree, minimum=1) != 1:
         raise ValueError(f"ring_degree={ring_degree}: only 1 (one all-gather round) is implemented so far")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     validate_cu_seqlens(cu_seqlens)
+    ratios = [spec.compress_ratio] if spec.mode.compresses else []
     if plan is None:
-        ratios = [spec.compress_ratio] if spec.mode.compresses else []
-        plan = plan_attention(cu_seqlens, cp_size, cp_rank, compress_ratios=ratios)
+        plan = plan_attention(
+            cu_seqlens, cp_size, cp_rank, compress_ratios=ratios,
+            need_windows=[spec.window] if exchange == "need" else None,
+        )
     elif (plan.cp_size, plan.cp_rank, plan.prefix.num_tokens) != (cp_size, cp_rank, int(cu_seqlens[-1])):
         raise ValueError(
             f"plan was made for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}, T={plan.prefix.num_tokens};"
             f" this call has cp_size={cp_size}, cp_rank={cp_rank}, T={int(cu_seqlens[-1])}"
         )
     _check_inputs(q, kv, hidden, spec, plan.prefix.local_len, compressor, indexer)
-    kv_prefix = rearrange_prefix_kv(gather_from_sp_cp(kv, group, tnd=True), plan.prefix)
-    hidden_prefix = None
-    if spec.mode.compresses and hidden is not None:
-        hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True), plan.prefix)
+    kv_offset, varlen_segments = 0, None
+    if exchange == "need":
+        need = _need_plan(plan, spec)
+        kv_buffer = torch.cat([exchange_rows(kv, need.kv[spec.window], group), kv])
+        kv_offset, varlen_segments = need.kv_offset[spec.window], need.window_segments[spec.window]
+        compressed, tensors = _compress_exchanged(need, plan.segments, spec, hidden, kv.shape[-1], compressor, indexer, group)
+    else:
+        kv_buffer = rearrange_prefix_kv(gather_from_sp_cp(kv, group, tnd=True), plan.prefix)
+        hidden_prefix = None
+        if spec.mode.compresses and hidden is not None:
+            hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True), plan.prefix)
+        compressed, tensors = _compress_gathered(plan.segments, spec, hidden, hidden_prefix, compressor, indexer)
     return attend_prefix(
-        q, kv_prefix, plan.segments, spec=spec, backend=get_backend(backend), sinks=sinks, hidden=hidden,
-        hidden_prefix=hidden_prefix, compressor=compressor, indexer=indexer, grad_scale=grad_scale,
+        q, kv_buffer, plan.segments, spec=spec, backend=get_backend(backend), sinks=sinks, compressed=compressed,
+        indexer_tensors=tensors, kv_offset=kv_offset, varlen_segments=varlen_segments, grad_scale=grad_scale,
         num_global_queries=plan.num_global_queries,
     )
+
+
+def _need_plan(plan: AttentionPlan, spec: AttentionSpec) -> NeedPlan:
+    """The plan's need-based routes for this layer, or a ``ValueError`` saying what to plan."""
+    need = plan.need
+    if need is None or spec.window not in need.kv or (spec.mode.compresses and spec.compress_ratio not in need.compressed):
+        raise ValueError(
+            f"exchange='need' needs a plan made with need_windows containing {spec.window} and"
+            f" compress_ratios containing {spec.compress_ratio}: plan_attention(..., need_windows=[...])"
+        )
+    return need
 
 
 def attention_forward_bsnd(
@@ -278,12 +362,14 @@ def attention_forward_bsnd(
     c, outs, losses, ratio = plan.chunk_len, [], [], 1
     for k, (segments, prefix_len) in enumerate(zip(plan.steps, plan.prefix_lens)):
         local_rows = slice(k * c, (k + 1) * c)
+        compressed, tensors = _compress_gathered(
+            segments, spec, hidden[:, local_rows].flatten(0, 1) if hidden is not None else None,
+            hidden_full[:, :prefix_len].flatten(0, 1) if hidden_full is not None else None, compressor, indexer,
+        )
         result = attend_prefix(
             q[:, local_rows].flatten(0, 1), kv_full[:, :prefix_len].flatten(0, 1), segments, spec=spec,
-            backend=get_backend(backend), sinks=sinks,
-            hidden=hidden[:, local_rows].flatten(0, 1) if hidden is not None else None,
-            hidden_prefix=hidden_full[:, :prefix_len].flatten(0, 1) if hidden_full is not None else None,
-            compressor=compressor, indexer=indexer, grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
+            backend=get_backend(backend), sinks=sinks, compressed=compressed, indexer_tensors=tensors,
+            grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
         )
         outs.append(result.out.reshape(batch, c, *result.out.shape[1:]))
         losses += [result.indexer_loss] if result.indexer_loss is not None else []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,6 +25,9 @@ from cpkv._checks import check_int
 from cpkv.layout import compress_cu_seqlens, token_positions, validate_cu_seqlens
 from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.sharding import contiguous_shard_range, zigzag_chunks
+
+if TYPE_CHECKING:
+    from cpkv.exchange import NeedPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,6 +188,7 @@ class AttentionPlan:
         segments: the per-query plan of that prefix (:class:`SegmentPlan`).
         num_global_queries: ``N``, query tokens of the whole CP group (indexer loss).
         cp_size, cp_rank: the sharding this plan is for.
+        need: routes of the need-based exchange (:mod:`cpkv.exchange`), if planned.
     """
 
     prefix: PrefixKVPlan
@@ -191,10 +196,12 @@ class AttentionPlan:
     num_global_queries: int
     cp_size: int
     cp_rank: int
+    need: NeedPlan | None = None
 
 
 def plan_attention(
-    cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, compress_ratios: Sequence[int] = ()
+    cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, compress_ratios: Sequence[int] = (),
+    need_windows: Sequence[int | None] | None = None,
 ) -> AttentionPlan:
     """Pure per-rank plan for contiguous TND sharding (no communication).
 
@@ -205,6 +212,8 @@ def plan_attention(
         cu_seqlens: ``[B + 1]`` global leading-zero cu_seqlens, ``T % cp_size == 0``.
         cp_size, cp_rank: CP group size and this rank.
         compress_ratios: ratios ``> 1`` the layers of this micro-batch use.
+        need_windows: to also plan the need-based exchange (``exchange="need"``), the
+            sliding windows of the layers (``None`` in the list: dense causal layers).
 
     Example:
         >>> plan = plan_attention(torch.tensor([0, 5, 12, 16]), 2, 1, compress_ratios=[4])
@@ -215,7 +224,12 @@ def plan_attention(
     offset, local_len = contiguous_shard_range(int(cu_seqlens[-1]), cp_size, cp_rank)
     prefix = compute_prefix_kv_cu_seqlens(cu_seqlens, offset, local_len)
     segments = plan_segments(prefix.cu_seqlens_q, prefix.cu_seqlens_kv, compress_ratios=compress_ratios)
-    return AttentionPlan(prefix, segments, int(cu_seqlens[-1]), cp_size, cp_rank)
+    need = None
+    if need_windows is not None:
+        from cpkv.exchange import plan_need_exchange  # exchange builds on this module
+
+        need = plan_need_exchange(cu_seqlens, cp_size, cp_rank, windows=need_windows, compress_ratios=compress_ratios)
+    return AttentionPlan(prefix, segments, int(cu_seqlens[-1]), cp_size, cp_rank, need)
 
 
 @dataclass(frozen=True, eq=False)

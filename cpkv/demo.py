@@ -71,11 +71,12 @@ def _cp(config: V4Config, x: torch.Tensor, g: torch.Tensor, cu: torch.Tensor, ar
         rank: int, world: int) -> tuple[Result, float, int]:
     """This rank's shard of the same under CP; parameter gradients summed over ranks."""
     layer = V4Attention(config, seed=args.seed).to(x.device, x.dtype)
-    plan = plan_attention(cu, world, rank, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
+    ratios = [config.compress_ratio] if config.mode.compresses else []
+    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window])
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
     with count_bytes() as counter:
         start = time.perf_counter()
-        out = layer(x_local, cu, None, plan=plan, ring_degree=args.ring_degree).out
+        out = layer(x_local, cu, None, plan=plan, ring_degree=args.ring_degree, exchange=args.exchange).out
         torch.autograd.backward(out, shard_contiguous(g, world, rank))
         elapsed = time.perf_counter() - start
     grads = _grads(layer)
@@ -111,7 +112,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, device_name: str
     names = list(MODES) if args.mode == "all" else [args.mode]
     for i, name in enumerate(names):
         if rank == 0:
-            print(f"[{i + 1}/{len(names)}] {name}: cp={world} tokens={args.tokens} dtype={args.dtype} ...", flush=True)
+            print(f"[{i + 1}/{len(names)}] {name}: cp={world} tokens={args.tokens} dtype={args.dtype}"
+                  f" exchange={args.exchange} ...", flush=True)
         summary = _errors(MODES[name], args, rank, world, device)
         values = torch.tensor(list(summary.values()), dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ring-degree", type=int, default=1, help="prefix exchange rounds (only 1 so far)")
+    parser.add_argument("--exchange", choices=["allgather", "need"], default="need",
+                        help="move every rank's tokens (allgather) or only what each rank needs (need)")
     parser.add_argument("--backend", default=None, help="torch.distributed backend under torchrun (default gloo)")
     args = parser.parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

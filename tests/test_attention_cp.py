@@ -41,6 +41,7 @@ CASES: dict[str, tuple[V4Config, list[int]]] = {
     "fallback": (V4Config(compress_ratio=16), SHORT_LENGTHS),
 }
 BSND_CASES = ["window", "compressor", "indexer"]
+EXCHANGES = ["allgather", "need"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -59,14 +60,15 @@ def _param_grads(layer: V4Attention) -> dict[str, torch.Tensor | None]:
     return {name: (p.grad.clone() if p.grad is not None else None) for name, p in layer.named_parameters()}
 
 
-def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str, Any]:
+def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype, exchange: str) -> dict[str, Any]:
     config, lengths = CASES[name]
     cu = seqlens_to_cu_seqlens(lengths)
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
-    plan = plan_attention(cu, world, rank, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
+    ratios = [config.compress_ratio] if config.mode.compresses else []
+    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window])
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-    result = layer(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE)
+    result = layer(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE, exchange=exchange)
     result.out.backward(shard_contiguous(grad_out, world, rank))
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
@@ -88,7 +90,8 @@ def _all_cases(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for dtype_name, dtype in DTYPES.items():
         for name in CASES:
-            results[f"tnd/{name}/{dtype_name}"] = _tnd_case(rank, world, name, dtype)
+            for exchange in EXCHANGES:
+                results[f"tnd/{name}/{dtype_name}/{exchange}"] = _tnd_case(rank, world, name, dtype, exchange)
         for name in BSND_CASES:
             results[f"bsnd/{name}/{dtype_name}"] = _bsnd_case(rank, world, name, dtype)
     return results
@@ -144,31 +147,47 @@ def cp_run(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
     return world, {k: _combine(k.split("/")[0], [r[k] for r in per_rank]) for k in keys}
 
 
-CASE_IDS = [f"tnd/{n}" for n in CASES] + [f"bsnd/{n}" for n in BSND_CASES]
+CASE_IDS = [f"tnd/{n}/{e}" for n in CASES for e in EXCHANGES] + [f"bsnd/{n}" for n in BSND_CASES]
+
+
+def _key(case: str, dtype: str) -> str:
+    layout, name, *exchange = case.split("/")
+    return "/".join([layout, name, dtype, *exchange])
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_fp32_matches_single_process(cp_run: tuple[int, dict[str, Any]], case: str) -> None:
     _world, results = cp_run
-    layout, name = case.split("/")
-    expected, actual = _flat(_reference(layout, name, torch.float32)), _flat(results[f"{case}/fp32"])
+    layout, name = case.split("/")[:2]
+    expected, actual = _flat(_reference(layout, name, torch.float32)), _flat(results[_key(case, "fp32")])
     assert expected.keys() == actual.keys()
     for key in expected:
         assert _rel_err(actual[key], expected[key]) <= 1e-5, key
     ref_loss = _reference(layout, name, torch.float32)["loss"]
     if ref_loss is not None:
-        assert results[f"{case}/fp32"]["loss"] == pytest.approx(float(ref_loss), rel=1e-5)
+        assert results[_key(case, "fp32")]["loss"] == pytest.approx(float(ref_loss), rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_need_exchange_equals_allgather(cp_run: tuple[int, dict[str, Any]], name: str) -> None:
+    """fp32: the two strategies compute the same numbers up to summation order (<= 1e-6 relative)."""
+    _world, results = cp_run
+    allgather, need = _flat(results[f"tnd/{name}/fp32/allgather"]), _flat(results[f"tnd/{name}/fp32/need"])
+    assert allgather.keys() == need.keys()
+    for key in allgather:
+        assert _rel_err(need[key], allgather[key]) <= 1e-6, key
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASE_IDS)
 def test_bf16_error_within_twice_single_process(cp_run: tuple[int, dict[str, Any]], case: str) -> None:
     _world, results = cp_run
-    layout, name = case.split("/")
+    layout, name = case.split("/")[:2]
     exact = _flat(_reference(layout, name, torch.float64))
     single = _flat(_reference(layout, name, torch.bfloat16))
-    actual = _flat(results[f"{case}/bf16"])
+    actual = _flat(results[_key(case, "bf16")])
     for key in exact:
         assert _rel_err(actual[key], exact[key]) <= 2 * _rel_err(single[key], exact[key]) + 2**-8, key
 
@@ -178,7 +197,7 @@ def test_compressor_only_compressor_learns_like_cp1(cp_run: tuple[int, dict[str,
     _world, results = cp_run
     expected = _reference("tnd", "compressor", torch.float32)["params"]
     for name in ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape", "compressor.norm_weight"):
-        grad = results["tnd/compressor/fp32"]["params"][name]
+        grad = results["tnd/compressor/fp32/need"]["params"][name]
         assert grad is not None and float(grad.abs().max()) > 1e-3, name
         assert _rel_err(grad, expected[name].double()) <= 1e-5, name
 
@@ -186,6 +205,6 @@ def test_compressor_only_compressor_learns_like_cp1(cp_run: tuple[int, dict[str,
 @pytest.mark.timeout(300)
 def test_indexer_learns_only_from_its_loss(cp_run: tuple[int, dict[str, Any]]) -> None:
     _world, results = cp_run
-    params = results["tnd/indexer/fp32"]["params"]
+    params = results["tnd/indexer/fp32/need"]["params"]
     indexer_grads = {k: v for k, v in params.items() if k.startswith("indexer.")}
     assert indexer_grads and all(v is not None and float(v.abs().max()) > 0 for v in indexer_grads.values())

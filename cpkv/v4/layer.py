@@ -97,17 +97,19 @@ class V4Attention(nn.Module):
     def forward(
         self, x: Tensor, cu_seqlens: Tensor, group: Group, *, plan: AttentionPlan,
         backend: str | AttentionBackend = "reference", grad_scale: float = 1.0, ring_degree: int = 1,
+        exchange: str = "allgather",
     ) -> LayerOutput:
         """The layer on this rank's contiguous TND shard ``x`` ``[T/cp, hidden]`` under CP.
 
         ``plan`` comes from :func:`cpkv.plan_attention` (once per micro-batch, with this
-        layer's ``compress_ratio`` among ``compress_ratios``).
+        layer's ``compress_ratio`` among ``compress_ratios``, and its window among
+        ``need_windows`` for ``exchange="need"``).
         """
         q, kv = self.project(x, plan.segments.q_positions)
         result = attention_forward(
             q, kv, cu_seqlens, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
             compressor=self.compressor, indexer=self.indexer, plan=plan, backend=backend,
-            ring_degree=ring_degree, grad_scale=grad_scale,
+            ring_degree=ring_degree, grad_scale=grad_scale, exchange=exchange,
         )
         out: Tensor = self.wo(result.out.flatten(1))
         return LayerOutput(out, result.indexer_loss)
