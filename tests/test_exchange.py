@@ -1,0 +1,81 @@
+"""Need-based routes against brute force, simulated for every rank in one process."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpkv.exchange import NeedPlan, plan_need_exchange
+from cpkv.layout import compress_cu_seqlens, seqlens_to_cu_seqlens
+from cpkv.plan import compute_prefix_kv_cu_seqlens
+
+
+def simulate(plans: list[NeedPlan], routes_of: str, key: object, owned_rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What every rank receives, moving owned_rows[src][send_rows] to each destination."""
+    cp = len(plans)
+    received: list[list[torch.Tensor]] = [[] for _ in range(cp)]
+    for src, plan in enumerate(plans):
+        routes = getattr(plan, routes_of)[key] if routes_of == "kv" else plan.compressed[key].__getattribute__(routes_of)
+        chunks = owned_rows[src][routes.send_rows].split(list(routes.send_splits))
+        for dst, chunk in enumerate(chunks):
+            received[dst].append(chunk)
+    for dst, plan in enumerate(plans):
+        routes = plan.kv[key] if routes_of == "kv" else getattr(plan.compressed[key], routes_of)
+        assert [c.shape[0] for c in received[dst]] == list(routes.recv_splits)
+    return [torch.cat(r) for r in received]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=7),
+    cp=st.integers(min_value=1, max_value=5),
+    window=st.sampled_from([None, 1, 3, 8]),
+    ratio=st.sampled_from([2, 4, 8]),
+)
+def test_routes_deliver_exactly_what_is_needed(lengths: list[int], cp: int, window: int | None, ratio: int) -> None:
+    pad = -sum(lengths) % cp
+    lengths = [*lengths, pad] if pad else lengths
+    cu = seqlens_to_cu_seqlens(lengths, dtype=torch.int64)
+    total, local = int(cu[-1]), int(cu[-1]) // cp
+    plans = [plan_need_exchange(cu, cp, r, windows=[window], compress_ratios=[ratio]) for r in range(cp)]
+    tokens = torch.arange(total)
+    got_tokens = simulate(plans, "kv", window, [tokens[r * local : (r + 1) * local] for r in range(cp)])
+    cu_cmp = compress_cu_seqlens(cu, ratio).cu_seqlens
+    starts = cu[:-1]
+    for r, plan in enumerate(plans):
+        prefix = compute_prefix_kv_cu_seqlens(cu, r * local, local)
+        lo = prefix.kv_start if window is None else max(prefix.kv_start, r * local - window + 1)
+        assert got_tokens[r].tolist() == list(range(lo, r * local))
+        assert plan.kv_offset[window] == lo - prefix.kv_start
+        # Owned entries: blocks whose last token lies in this rank's range, computable from the local buffer.
+        owned = plan.compressed[ratio].owned
+        hidden_lo = plan.compressed[ratio].hidden_lo
+        block_first = owned.block_starts + hidden_lo
+        ends = block_first + ratio - 1
+        assert bool(((ends >= r * local) & (ends < (r + 1) * local)).all())
+        assert bool((owned.block_starts >= (ratio if ratio == 4 else 0) * (owned.entry_positions > 0)).all())
+        doc_of_block = torch.searchsorted(cu[1:], block_first, right=True)
+        assert torch.equal(block_first - starts[doc_of_block], owned.entry_positions)
+    # Entries: every rank ends up with all entries of its prefix documents, in order.
+    owned_ids, first = [], 0
+    for plan in plans:
+        n = plan.compressed[ratio].owned.num_entries
+        owned_ids.append(torch.arange(first, first + n))
+        first += n
+    assert first == int(cu_cmp[-1])
+    got_entries = simulate(plans, "entries", ratio, owned_ids)
+    for r in range(cp):
+        prefix = compute_prefix_kv_cu_seqlens(cu, r * local, local)
+        n_prefix = int(compress_cu_seqlens(prefix.cu_seqlens_kv, ratio).cu_seqlens[-1])
+        full = torch.cat([got_entries[r], owned_ids[r]])
+        first_doc = int(prefix.doc_ids[0]) if prefix.doc_ids.numel() else 0
+        expected = list(range(int(cu_cmp[first_doc]), int(cu_cmp[first_doc]) + n_prefix)) if prefix.doc_ids.numel() else []
+        assert full.tolist() == expected
+
+
+def test_single_long_document_window_halo_is_small() -> None:
+    cu = torch.tensor([0, 4096])
+    plan = plan_need_exchange(cu, 4, 3, windows=[128, None], compress_ratios=[4, 128])
+    assert plan.kv[128].num_recv == 127 and plan.kv[None].num_recv == 3 * 1024
+    assert plan.compressed[4].hidden.num_recv == 4  # the overlap's previous block: 2m - 1 at most
+    assert plan.compressed[4].entries.num_recv == 3 * 1024 // 4
+    assert plan.compressed[128].entries.num_recv == 3 * 1024 // 128
