@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""GPU check of cpkv's CUDA backend: correctness against the reference, then speed against a bare kernel.
+
+Runs on a bare CUDA machine with only torch installed (cpkv need not be installed: the
+repository root is put on ``sys.path``; no network). One GPU, about 5 minutes at most.
+
+1. Correctness, single rank (an in-process 1-rank NCCL group): the V4-style layer in every
+   compress mode (NO_COMPRESS with a window and dense, COMPRESSOR_ONLY ratio 8, INDEXER
+   ratio 4), forward and backward, bf16 through ``backend=CUDABackend()`` and through the
+   reference backend, both against an fp64 reference run. Pass: for the output, the input
+   gradient and every parameter gradient, ``err_cuda <= 2 * err_reference_bf16 + floor``
+   with ``floor = 2**-8 * max|fp64|`` (one bf16 ulp of the largest value: both bf16 runs
+   round the same inputs and weights and differ in accumulation order and in a few extra
+   roundings of the kernel path). Any fallback warning in NO_COMPRESS modes fails too.
+2. Speed: varlen attention as ``attend_prefix`` calls it (MQA shared kv, bottom-right
+   causal prefix: ``L`` local queries over a prefix of ``L * (r + 1)`` keys, rank ``r`` of
+   one long document; D = 128, bf16, window None and 128) against a bare ``varlen_attn``
+   call on the same shapes; forward and forward+backward; cpkv with and without sinks
+   (sinks cost one extra kernel forward and backward in backward: the kernel drops the
+   LSE's gradient, see cpkv/backends/cuda.py). TFLOP/s count only visible (causal/window)
+   pairs: forward ``4 * D * H * pairs``, backward 2.5x that.
+
+Prints markdown tables; writes them to ``$OUT/gpu_check.md`` when ``OUT`` is set. Exits 1 on
+a correctness failure, 2 without a GPU.
+
+    python benchmarks/gpu_check.py [--quick] [--max-seconds 270]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cpkv.attention import AttentionSpec, attend_prefix  # noqa: E402
+from cpkv.attention_plan import plan_attention  # noqa: E402
+from cpkv.backends import ReferenceBackend  # noqa: E402
+from cpkv.backends.cuda import CUDABackend  # noqa: E402
+from cpkv.layout import seqlens_to_cu_seqlens  # noqa: E402
+from cpkv.v4 import V4Attention, V4Config  # noqa: E402
+
+LENGTHS = [700, 0, 1500, 37, 3, 900, 1, 955]  # 4096 tokens: zero-length, tiny and multi-window documents
+CASES = {
+    "window": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=64),
+    "dense": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=None),
+    "compressor": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=64, compress_ratio=8, index_head_dim=64),
+    "indexer": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=64, compress_ratio=4, topk=32, index_head_dim=64),
+}
+BENCH = [  # (local tokens L, rank r: prefix L * (r + 1), heads, window)
+    (8192, 3, 16, None), (8192, 3, 16, 128), (16384, 1, 32, None), (16384, 1, 32, 128),
+    (32768, 1, 32, None), (32768, 1, 32, 128), (65536, 1, 32, None), (65536, 1, 64, 128),
+]
+
+
+def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    cu = seqlens_to_cu_seqlens(LENGTHS, device=device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
+    grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype)
+    layer = V4Attention(config, seed=1).to(device, dtype)
+    plan = plan_attention(cu, 1, 0, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
+    result = layer(x, cu, None, plan=plan, backend=backend)
+    result.out.backward(grad_out)
+    grads = {f"grad {n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    return {"out": result.out.detach(), "grad x": x.grad, **grads}
+
+
+def check_correctness(device: torch.device) -> tuple[list[str], bool]:
+    rows, ok = ["| mode | tensor | err cuda bf16 | err reference bf16 | bound | ok |", "|---|---|---|---|---|---|"], True
+    for name, config in CASES.items():
+        exact = run_layer(config, torch.float64, ReferenceBackend(), device)
+        low = run_layer(config, torch.bfloat16, ReferenceBackend(), device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = run_layer(config, torch.bfloat16, CUDABackend(), device)
+        fallbacks = [str(w.message) for w in caught if "falling back" in str(w.message)]
+        if fallbacks and not config.mode.compresses:
+            rows.append(f"| {name} | (fallback) | {fallbacks[0]} | | | FAIL |")
+            ok = False
+        for key, ref in exact.items():
+            err = float((got[key].double() - ref).abs().max())
+            ref_err = float((low[key].double() - ref).abs().max())
+            bound = 2 * ref_err + 2**-8 * float(ref.abs().max())
+            passed = err <= bound
+            ok &= passed
+            if key in ("out", "grad x", "grad wq.weight", "grad sinks") or not passed:
+                rows.append(f"| {name} | {key} | {err:.3e} | {ref_err:.3e} | {bound:.3e} | {'ok' if passed else 'FAIL'} |")
+    return rows, ok
+
+
+def visible_pairs(num_q: int, num_kv: int, window: int | None) -> int:
+    """Sum over queries of visible keys (bottom-right causal, optional window)."""
+    counts = torch.arange(num_kv - num_q + 1, num_kv + 1, dtype=torch.float64)
+    return int((counts if window is None else counts.clamp(max=window)).sum())
+
+
+def cuda_time(fn: Callable[[], Any], reps: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(sorted(times)[len(times) // 2])
+
+
+def bench_one(local: int, rank: int, heads: int, window: int | None, reps: int, device: torch.device) -> str:
+    from torch.nn.attention.varlen import varlen_attn
+
+    dim, prefix = 128, local * (rank + 1)
+    segments = plan_attention(torch.tensor([0, prefix], device=device), rank + 1, rank).segments
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(local, heads, dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    kv = torch.randn(prefix, dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    sinks = torch.randn(heads, device=device, generator=gen).requires_grad_(True)
+    grad = torch.randn(local, heads, dim, device=device, dtype=torch.bfloat16, generator=gen)
+    cu_q, cu_k = segments.cu_seqlens_q, segments.cu_seqlens_kv
+    spec, backend = AttentionSpec(d_v=dim, window=window), CUDABackend()
+    window_size = (-1, 0) if window is None else (window - 1, 0)
+
+    def bare() -> torch.Tensor:
+        k = kv[:, None]
+        out = varlen_attn(q, k, k, cu_q, cu_k, local, prefix, scale=dim**-0.5, window_size=window_size, enable_gqa=True)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def cpkv(with_sinks: bool) -> Callable[[], torch.Tensor]:
+        return lambda: attend_prefix(q, kv, segments, spec=spec, backend=backend, sinks=sinks if with_sinks else None).out
+
+    def fwd(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return fn()
+        return run
+
+    def fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        return lambda: torch.autograd.backward(fn(), grad)
+
+    flops = 4.0 * dim * heads * visible_pairs(local, prefix, window)
+    t: dict[str, float] = {}
+    for phase, wrap in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        for name, fn in (("bare", bare), ("cpkv", cpkv(False)), ("sinks", cpkv(True))):
+            t[f"{name} {phase}"] = cuda_time(wrap(fn), reps)
+    tflops = {key: (flops if key.endswith(" fwd") else 3.5 * flops) / (ms * 1e-3) / 1e12 for key, ms in t.items()}
+    return (f"| {local // 1024}K | {prefix // 1024}K | {heads} | {window or '-'} "
+            + "".join(f"| {t[f'bare {p}']:.2f} | {t[f'cpkv {p}'] / t[f'bare {p}']:.2f}x | {t[f'sinks {p}'] / t[f'bare {p}']:.2f}x "
+                      f"| {tflops[f'bare {p}']:.0f} / {tflops[f'cpkv {p}']:.0f} " for p in ("fwd", "fwd_bwd")) + "|")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two smallest benchmark shapes, 2 repetitions")
+    parser.add_argument("--max-seconds", type=float, default=270.0, help="skip the remaining benchmark shapes after this")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device", file=sys.stderr)
+        return 2
+    started, device = time.monotonic(), torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)  # type: ignore[attr-defined]
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        try:
+            rows, ok = check_correctness(device)
+            print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
+            bench = ["| L | prefix | H | W | bare fwd ms | cpkv/bare fwd | +sinks/bare fwd | TFLOP/s bare/cpkv fwd "
+                     "| bare fwd+bwd ms | cpkv/bare fwd+bwd | +sinks/bare fwd+bwd | TFLOP/s bare/cpkv fwd+bwd |",
+                     "|---" * 12 + "|"]
+            for local, rank, heads, window in BENCH[:2] if args.quick else BENCH:
+                if time.monotonic() - started > args.max_seconds:
+                    bench.append(f"| {local // 1024}K | skipped (time budget) |||||||||||")
+                    continue
+                bench.append(bench_one(local, rank, heads, window, 2 if args.quick else args.reps, device))
+                print(bench[-1], flush=True)
+        finally:
+            dist.destroy_process_group()
+    header = (f"# cpkv gpu_check\n\n{datetime.date.today()} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+              f"{time.monotonic() - started:.0f} s\n")
+    text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
+                      "\n## Varlen attention as attend_prefix calls it vs bare varlen_attn (bf16, D=128, MQA)\n", *bench, ""])
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.md").write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""NPU check of cpkv's Ascend backend: correctness against the reference, then speed against a bare kernel.
+
+For an Ascend machine with torch, torch_npu and CANN installed (cpkv need not be
+installed: the repository root is put on ``sys.path``; no network). One NPU.
+
+1. Correctness, single rank (an in-process 1-rank HCCL group): the V4-style layer in every
+   compress mode, forward and backward, bf16 through ``NPUBackend()`` and through the
+   reference backend on the NPU, both against an fp64 reference run on the CPU. Pass:
+   ``err_npu <= 2 * err_reference_bf16 + 2**-8 * max|fp64|`` for the output, the input
+   gradient and every parameter gradient, and no fallback warning. Shapes follow the
+   kernels' documented limits: NO_COMPRESS modes use head dim 128 (npu_fusion_attention
+   takes D <= 512); compressed modes use 512 value + 64 rope channels
+   (npu_sparse_flash_attention's fixed MLA-absorb dims) and indexer head dim 128.
+2. Speed: varlen attention as ``attend_prefix`` calls it against a bare
+   ``npu_fusion_attention`` call on the same shapes (MQA shared kv, ``L`` local queries over
+   a prefix of ``L * (r + 1)`` keys, D = 128, bf16, window None and 128), forward and
+   forward+backward, with TFLOP/s over visible pairs (forward ``4 * D * H * pairs``,
+   backward 2.5x).
+
+This is the only place cpkv's NPU marshalling meets the hardware: the unit tests check it
+against the documented semantics with a stand-in module. Prints markdown; writes
+``$OUT/npu_check.md`` when ``OUT`` is set. Exit status 1 on a correctness failure, 2
+without torch_npu or an NPU.
+
+    python benchmarks/npu_check.py [--quick] [--skip-bench] [--max-seconds 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cpkv.attention import AttentionSpec, attend_prefix  # noqa: E402
+from cpkv.attention_plan import plan_attention  # noqa: E402
+from cpkv.backends import ReferenceBackend  # noqa: E402
+from cpkv.backends.npu import MASK_SIZE, NPUBackend  # noqa: E402
+from cpkv.layout import seqlens_to_cu_seqlens  # noqa: E402
+from cpkv.v4 import V4Attention, V4Config  # noqa: E402
+
+LENGTHS = [700, 0, 1500, 37, 3, 900, 1, 955]  # 4096 tokens
+_SMALL = {"hidden": 512, "heads": 8, "head_dim": 128, "rope_dim": 64, "window": 128}
+_MLA = {"hidden": 512, "heads": 16, "head_dim": 576, "rope_dim": 64, "window": 128, "index_heads": 8, "index_head_dim": 128}
+CASES = {
+    "window": V4Config(**_SMALL),  # type: ignore[arg-type]
+    "dense": V4Config(**{**_SMALL, "window": None}),  # type: ignore[arg-type]
+    "compressor": V4Config(**_MLA, compress_ratio=8),  # type: ignore[arg-type]
+    "indexer": V4Config(**_MLA, compress_ratio=4, topk=64),  # type: ignore[arg-type]
+}
+BENCH = [(8192, 3, 16, None), (8192, 3, 16, 128), (16384, 1, 32, None), (16384, 1, 32, 128),
+         (32768, 1, 32, None), (32768, 1, 32, 128), (65536, 1, 32, None), (65536, 1, 64, 128)]
+
+
+def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    cu = seqlens_to_cu_seqlens(LENGTHS, device=device)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
+    grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype)
+    layer = V4Attention(config, seed=1).to(device, dtype)
+    plan = plan_attention(cu, 1, 0, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
+    result = layer(x, cu, None, plan=plan, backend=backend)
+    result.out.backward(grad_out)
+    grads = {f"grad {n}": p.grad.cpu() for n, p in layer.named_parameters() if p.grad is not None}
+    return {"out": result.out.detach().cpu(), "grad x": x.grad.cpu(), **grads}  # type: ignore[union-attr]
+
+
+def check_mode(name: str, config: V4Config, device: torch.device) -> tuple[list[str], bool]:
+    exact = run_layer(config, torch.float64, ReferenceBackend(), torch.device("cpu"))
+    low = run_layer(config, torch.bfloat16, ReferenceBackend(), device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_layer(config, torch.bfloat16, NPUBackend(), device)
+    rows, ok = [], True
+    for message in (str(w.message) for w in caught if "falling back" in str(w.message)):
+        rows.append(f"| {name} | fallback | {message} | | | FAIL |")
+        ok = False
+    for key, ref in exact.items():
+        err, ref_err = float((got[key].double() - ref).abs().max()), float((low[key].double() - ref).abs().max())
+        bound = 2 * ref_err + 2**-8 * float(ref.abs().max())
+        ok &= err <= bound
+        if key in ("out", "grad x", "grad sinks") or err > bound:
+            rows.append(f"| {name} | {key} | {err:.3e} | {ref_err:.3e} | {bound:.3e} | {'ok' if err <= bound else 'FAIL'} |")
+    return rows, ok
+
+
+def check_correctness(device: torch.device) -> tuple[list[str], bool]:
+    rows, ok = ["| mode | tensor | err npu bf16 | err reference bf16 | bound | ok |", "|---|---|---|---|---|---|"], True
+    for name, config in CASES.items():
+        print(f"correctness: {name} ...", flush=True)
+        try:
+            mode_rows, mode_ok = check_mode(name, config, device)
+        except Exception as err:  # report every mode, do not stop at the first kernel error
+            traceback.print_exc()
+            mode_rows, mode_ok = [f"| {name} | raised | {type(err).__name__}: {str(err)[:200]} | | | FAIL |"], False
+        rows += mode_rows
+        ok &= mode_ok
+    return rows, ok
+
+
+def visible_pairs(num_q: int, num_kv: int, window: int | None) -> int:
+    counts = torch.arange(num_kv - num_q + 1, num_kv + 1, dtype=torch.float64)
+    return int((counts if window is None else counts.clamp(max=window)).sum())
+
+
+def npu_time(fn: Callable[[], Any], reps: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up (device synchronised)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        fn()
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_one(torch_npu: Any, local: int, rank: int, heads: int, window: int | None, reps: int, device: torch.device) -> str:
+    dim, prefix = 128, local * (rank + 1)
+    segments = plan_attention(torch.tensor([0, prefix], device=device), rank + 1, rank).segments
+    q = torch.randn(local, heads, dim, dtype=torch.bfloat16).to(device).requires_grad_(True)
+    kv = torch.randn(prefix, dim, dtype=torch.bfloat16).to(device).requires_grad_(True)
+    grad = torch.randn(local, heads, dim, dtype=torch.bfloat16).to(device)
+    mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+    spec, backend = AttentionSpec(d_v=dim, window=window), NPUBackend(torch_npu)
+    mode = (3, 2147483647, 0) if window is None else (4, window - 1, 0)
+
+    def bare() -> torch.Tensor:
+        k = kv[:, None]
+        out: torch.Tensor = torch_npu.npu_fusion_attention(
+            q, k, k, heads, input_layout="TND", atten_mask=mask, scale=dim**-0.5, pre_tockens=mode[1], next_tockens=mode[2],
+            actual_seq_qlen=[local], actual_seq_kvlen=[prefix], sparse_mode=mode[0], softmax_layout="TND")[0]
+        return out
+
+    def cpkv() -> torch.Tensor:
+        return attend_prefix(q, kv, segments, spec=spec, backend=backend).out
+
+    def fwd(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return fn()
+        return run
+
+    def fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+        return lambda: torch.autograd.backward(fn(), grad)
+
+    flops = 4.0 * dim * heads * visible_pairs(local, prefix, window)
+    cells = []
+    for phase, wrap, factor in (("fwd", fwd, 1.0), ("fwd+bwd", fwd_bwd, 3.5)):
+        t_bare, t_cpkv = npu_time(wrap(bare), reps), npu_time(wrap(cpkv), reps)
+        cells.append(f"{t_bare:.2f} | {t_cpkv / t_bare:.2f}x | {factor * flops / t_bare / 1e9:.0f} / {factor * flops / t_cpkv / 1e9:.0f}")
+    return f"| {local // 1024}K | {prefix // 1024}K | {heads} | {window or '-'} | " + " | ".join(cells) + " |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two smallest benchmark shapes, 2 repetitions")
+    parser.add_argument("--skip-bench", action="store_true", help="correctness only")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="skip the remaining benchmark shapes after this")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
+    args = parser.parse_args()
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except Exception as err:  # ImportError, or CANN errors while loading
+        print(f"npu_check: torch_npu is not usable here ({err!r}); run it on an Ascend machine with CANN", file=sys.stderr)
+        return 2
+    if not torch.npu.is_available():  # type: ignore[attr-defined]
+        print("npu_check: no NPU device", file=sys.stderr)
+        return 2
+    started, device = time.monotonic(), torch.device("npu", 0)
+    torch.npu.set_device(device)  # type: ignore[attr-defined]
+    bench = ["| L | prefix | H | W | bare fwd ms | cpkv/bare fwd | TFLOP/s bare/cpkv fwd | bare fwd+bwd ms "
+             "| cpkv/bare fwd+bwd | TFLOP/s bare/cpkv fwd+bwd |", "|---" * 10 + "|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)  # type: ignore[attr-defined]
+        dist.init_process_group("hccl", store=store, rank=0, world_size=1)
+        try:
+            rows, ok = check_correctness(device)
+            print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
+            for local, rank, heads, window in [] if args.skip_bench else BENCH[:2] if args.quick else BENCH:
+                if time.monotonic() - started > args.max_seconds:
+                    bench.append(f"| {local // 1024}K | skipped (time budget) ||||||||")
+                    continue
+                bench.append(bench_one(torch_npu, local, rank, heads, window, 2 if args.quick else args.reps, device))
+                print(bench[-1], flush=True)
+        finally:
+            dist.destroy_process_group()
+    name = torch.npu.get_device_name(0)  # type: ignore[attr-defined]
+    header = f"# cpkv npu_check\n\n{datetime.date.today()} on {name}, torch {torch.__version__}, torch_npu {torch_npu.__version__}\n"
+    text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
+                      "\n## Varlen attention as attend_prefix calls it vs bare npu_fusion_attention (bf16, D=128, MQA)\n", *bench, ""])
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "npu_check.md").write_text(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

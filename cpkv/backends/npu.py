@@ -1,0 +1,393 @@
+"""The Ascend backend: torch_npu's fused attention, sparse attention and lightning indexer.
+
+``torch_npu`` is imported lazily, in :class:`NPUBackend`'s constructor only (importing it
+where CANN is missing breaks ``import torch``); tests inject a stand-in module. One
+adapter per kernel converts cpkv's conventions (SEMANTICS sections 1, 3, 5, 7):
+
+* ``npu_fusion_attention`` (:func:`fusion_attention_chunks`): TND, host lists of
+  cumulative ends **without** the leading 0 from the plan's ``actual_seq_qlen/kvlen``
+  (built once per plan), empty segment pairs dropped, at most 1024 segments per call
+  (more are split into several calls over contiguous token ranges, ends rebased).
+  ``head_num`` = q heads, explicit ``scale``, ``atten_mask = triu(ones(2048, 2048), 1)``
+  (bool, on the device, built once per backend and device), ``sparse_mode=3``
+  (bottom-right causal) or, for a window ``W``, ``sparse_mode=4`` with
+  ``pre_tockens=W-1, next_tockens=0``; ``softmax_layout="TND"``; sinks as ``sink``
+  (fp32 ``[H]``). LSE = ``softmax_max[..., 0] + log(softmax_sum[..., 0])``. v is
+  zero-padded to q's head dim when ``D_v < D`` and the output sliced back.
+* ``npu_sparse_flash_attention`` (:func:`sparse_kernel_layout`): the pipeline's buffer is
+  ``cat([kv_prefix, compressed])`` with absolute rows; the kernel sees
+  ``cat([compressed, kv_prefix])`` as **one** TND sequence (``actual_seq_lengths_query
+  = [T]``, ``actual_seq_lengths_kv = [N]``), rows converted accordingly, valid entries
+  moved first, -1 padded, int32 ``[T, 1, K]``. With compressed rows first, the kernel's
+  ``sparse_mode=3`` bound ``j <= (N - T) + t`` holds for every causal pipeline index
+  (window rows are at or before the query's own row, and ``T_kv >= T``), so it masks
+  nothing and the result is exactly attention over the listed rows. MLA-absorb
+  (``attention_mode=2``): query/key are the first ``d_v`` channels (key is value),
+  ``query_rope``/``key_rope`` the rest, so the score is the full-``D`` dot product.
+  LSE = ``softmax_max[0] + log(softmax_sum[0])`` (``[1, T, H]`` in TND).
+* ``npu_lightning_indexer`` (:func:`indexer_calls`): the kernel's ``sparse_mode=3`` is
+  bottom-right causal over keys, while a query at document position ``p`` may see the
+  first ``floor((p + 1) / m)`` compressed entries. Within a document the queries with
+  ``p % m == rho`` see one more entry each, so each residue ``rho`` is one call whose
+  batch per document holds those queries and the document's first ``v_last`` entries
+  (``v_last`` = the last such query's count): bottom-right causal is then exact.
+  Queries seeing no entry are skipped (all -1). Indices come back relative to the
+  document's first entry and are made absolute. ``m`` calls per layer.
+* ``sparse_attention_with_indexer_loss``: no fused op with the KL backward fits, so
+  ``npu_sparse_flash_attention`` (forward and its autograd) is composed with the
+  reference indexer-loss math (target from the kernel's LSE, gradient
+  ``(softmax(I) - p) * grad_scale / N`` injected in backward).
+
+The LSEs these ops return carry no gradient (the kernels' ``softmax_max/sum`` are not
+differentiable); the pipeline uses only the outputs. Tie order among equal indexer scores
+on the hardware is not documented (the reference takes the lower row).
+
+Fallbacks to the reference (a ``UserWarning`` once per backend instance and reason):
+dtypes the kernels do not take (fusion: fp16/bf16/fp32; sparse and indexer: fp16/bf16;
+``check_dtypes=False`` skips this), ``D_v > D``, and ``d_v == D`` for sparse attention
+(MLA-absorb needs a rope part).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from cpkv.attention_plan import CompressedPlan, SegmentPlan
+from cpkv.backends.reference import AttentionResult, sparse_attention_head_probs
+from cpkv.backends.reference_backend import ReferenceBackend
+from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss, _grads, _kl_terms, selected_index_scores
+
+__all__ = ["FusionChunk", "IndexerCall", "NPUBackend", "fusion_attention_chunks", "indexer_calls", "sparse_kernel_layout"]
+
+FUSION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SPARSE_DTYPES = (torch.float16, torch.bfloat16)
+MAX_SEGMENTS_PER_CALL = 1024
+MASK_SIZE = 2048
+NO_LIMIT = 2147483647
+
+
+class FusionChunk(NamedTuple):
+    """One ``npu_fusion_attention`` call: token ranges and its host lists (no leading 0, rebased)."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+    actual_seq_qlen: list[int]
+    actual_seq_kvlen: list[int]
+
+
+def fusion_attention_chunks(
+    actual_seq_qlen: Sequence[int], actual_seq_kvlen: Sequence[int], max_segments: int = MAX_SEGMENTS_PER_CALL
+) -> list[FusionChunk]:
+    """Split the plan's cumulative ends (no leading 0) into ``npu_fusion_attention`` calls.
+
+    Segment pairs with no query and no key are dropped; each call gets at most
+    ``max_segments`` pairs over a contiguous token range, its ends rebased to the range.
+
+    Example:
+        >>> chunks = fusion_attention_chunks((5, 5, 8), (5, 5, 11), max_segments=1)
+        >>> [(c.q_start, c.kv_start, c.actual_seq_qlen, c.actual_seq_kvlen) for c in chunks]
+        [(0, 0, [5], [5]), (5, 5, [3], [6])]
+    """
+    if len(actual_seq_qlen) != len(actual_seq_kvlen):
+        raise ValueError(f"actual_seq_qlen and actual_seq_kvlen differ in length: {len(actual_seq_qlen)} != {len(actual_seq_kvlen)}")
+    chunks: list[FusionChunk] = []
+    q0 = kv0 = prev_q = prev_kv = 0
+    ends_q: list[int] = []
+    ends_kv: list[int] = []
+    for q_end, kv_end in zip(actual_seq_qlen, actual_seq_kvlen):
+        if (q_end, kv_end) != (prev_q, prev_kv):
+            ends_q.append(int(q_end) - q0)
+            ends_kv.append(int(kv_end) - kv0)
+        prev_q, prev_kv = int(q_end), int(kv_end)
+        if len(ends_q) == max_segments:
+            chunks.append(FusionChunk(q0, prev_q, kv0, prev_kv, ends_q, ends_kv))
+            q0, kv0, ends_q, ends_kv = prev_q, prev_kv, [], []
+    if ends_q:
+        chunks.append(FusionChunk(q0, prev_q, kv0, prev_kv, ends_q, ends_kv))
+    return chunks
+
+
+def sparse_kernel_layout(kv: Tensor, indices: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
+    """The kernel's kv buffer and ``sparse_indices`` for the pipeline's ``cat([kv_prefix, compressed])``.
+
+    Args:
+        kv: ``[N, D]``, rows ``< num_prefix`` the prefix, the rest compressed entries.
+        indices: ``[T, K]`` int absolute rows of kv, -1 anywhere.
+
+    Returns:
+        ``cat([compressed, prefix])`` ``[N, D]`` and int32 ``[T, 1, K]`` rows of it, valid
+        entries first (in their order), -1 padded.
+    """
+    num_compressed = kv.shape[0] - num_prefix
+    kv_kernel = torch.cat([kv[num_prefix:], kv[:num_prefix]]) if num_compressed > 0 else kv
+    idx = indices.long()
+    rows = torch.where(idx < num_prefix, idx + num_compressed, idx - num_prefix)
+    rows = torch.where(idx < 0, -1, rows)
+    order = (rows < 0).to(torch.int8).argsort(dim=1, stable=True)
+    return kv_kernel, rows.gather(1, order).to(torch.int32).unsqueeze(1).contiguous()
+
+
+class IndexerCall(NamedTuple):
+    """One ``npu_lightning_indexer`` call (one residue class of query positions).
+
+    Attributes:
+        rows: ``[n]`` int64 query rows. key_rows: ``[n_k]`` int64 rows of the indexer keys.
+        seq_lengths_query, seq_lengths_key: ``[B']`` int32 cumulative ends (no leading 0).
+        key_start: ``[n]`` int64 absolute key row of each query's batch start.
+    """
+
+    rows: Tensor
+    key_rows: Tensor
+    seq_lengths_query: Tensor
+    seq_lengths_key: Tensor
+    key_start: Tensor
+
+
+def indexer_calls(q_positions: Tensor, q_doc_rows: Tensor, compressed: CompressedPlan) -> list[IndexerCall]:
+    """Calls whose bottom-right causal masks are exactly the compressed visibility (module doc)."""
+    ratio, count, start = compressed.ratio, compressed.visible_count, compressed.visible_start
+    calls = []
+    for rho in range(ratio):
+        rows = ((q_positions % ratio == rho) & (count > 0)).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        _, per_batch = torch.unique_consecutive(q_doc_rows[rows], return_counts=True)
+        last = per_batch.cumsum(0) - 1
+        key_len, key_first = count[rows][last], start[rows][last]
+        ends = key_len.cumsum(0)
+        total = int(ends[-1])
+        key_rows = torch.repeat_interleave(key_first - (ends - key_len), key_len, output_size=total)
+        key_rows = key_rows + torch.arange(total, device=rows.device)
+        calls.append(IndexerCall(rows, key_rows, per_batch.cumsum(0).int(), ends.int(), start[rows]))
+    return calls
+
+
+class _IndexerGradient(torch.autograd.Function):
+    """Identity on the attention output whose backward also yields the indexer's KL gradients."""
+
+    @staticmethod
+    def forward(  # selected [T, K] int, target [T, K] float (detached)
+        ctx: Any, out: Tensor, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor,
+        target: Tensor, config: IndexerLossConfig,
+    ) -> Tensor:
+        ctx.save_for_backward(q_index, k_index, weights, selected, target)
+        ctx.config = config
+        return out.view_as(out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q_index, k_index, weights, selected, target = ctx.saved_tensors
+        config: IndexerLossConfig = ctx.config
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q_index, k_index, weights)]
+        with torch.enable_grad():
+            scores = selected_index_scores(leaves[0], leaves[1], leaves[2], selected, config.block_size)
+        valid = selected >= 0
+        _, pred = _kl_terms(scores.detach(), target, valid)
+        grad_scores = torch.where(valid, (pred - target) * (config.grad_scale / config.num_global_queries), 0.0)
+        inputs: list[Tensor | None] = list(leaves)
+        return (grad_out, *_grads(scores, inputs, grad_scores), None, None, None)
+
+
+class NPUBackend:
+    """torch_npu's fused ops behind the :class:`~cpkv.backends.AttentionBackend` interface.
+
+    Args:
+        torch_npu_module: the ``torch_npu`` module, or a stand-in with the same three
+            functions; default: ``import torch_npu`` here.
+        check_dtypes: fall back to the reference for dtypes the kernels do not take;
+            False passes every floating dtype to the kernels (stand-ins, newer CANN).
+        block_size: block size of the reference math used in fallbacks and the indexer loss.
+
+    Raises:
+        RuntimeError: torch_npu cannot be imported (it needs Ascend's CANN).
+    """
+
+    name = "npu"
+
+    def __init__(self, torch_npu_module: Any | None = None, *, check_dtypes: bool = True, block_size: int = 1024) -> None:
+        if torch_npu_module is None:
+            try:
+                torch_npu_module = importlib.import_module("torch_npu")
+            except Exception as err:  # ImportError, or CANN's own errors while loading
+                raise RuntimeError(
+                    "NPUBackend needs torch_npu with Ascend's CANN toolkit installed; "
+                    f"importing torch_npu failed: {err!r}. Use backend='reference' or 'cuda' elsewhere."
+                ) from err
+        self._npu = torch_npu_module
+        self._check_dtypes = check_dtypes
+        self._reference = ReferenceBackend(block_size)
+        self._warned: set[str] = set()
+        self._masks: dict[str, Tensor] = {}
+
+    def _fallback(self, reason: str | None) -> bool:
+        """Warn once per reason; True when the reference must serve the call."""
+        if reason is None:
+            return False
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"NPUBackend: falling back to the reference for {reason}", UserWarning, stacklevel=3)
+        return True
+
+    def _dtype_reason(self, op: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> str | None:
+        if self._check_dtypes and dtype not in allowed:
+            return f"{op} with dtype {dtype} (the kernel takes {', '.join(str(d) for d in allowed)})"
+        return None
+
+    def _causal_mask(self, device: torch.device) -> Tensor:
+        """``triu(ones(2048, 2048), 1)`` bool on ``device`` (built once per device)."""
+        key = str(device)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+        return self._masks[key]
+
+    def varlen_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, segments: SegmentPlan, *,
+        scale: float, window: int | None, sinks: Tensor | None,
+    ) -> AttentionResult:
+        """``npu_fusion_attention`` over the plan's segment pairs (bottom-right causal, window, sinks).
+
+        Args:
+            q: ``[T_q, H, D]``. k: ``[T_kv, H_kv, D]``. v: ``[T_kv, H_kv, D_v <= D]``.
+            segments: the plan (its host ``actual_seq_qlen/kvlen`` are used).
+            scale: softmax scale. window: ``W`` or None. sinks: ``[H]`` or None.
+
+        Returns:
+            ``AttentionResult(out [T_q, H, D_v], lse [T_q, H] fp32, no gradient)``.
+        """
+        reason = self._dtype_reason("npu_fusion_attention", q.dtype, FUSION_DTYPES)
+        if reason is None and v.shape[-1] > q.shape[-1]:
+            reason = f"npu_fusion_attention with D_v={v.shape[-1]} > D={q.shape[-1]}"
+        if self._fallback(reason) or q.shape[0] == 0:
+            return self._reference.varlen_attention(q, k, v, segments, scale=scale, window=window, sinks=sinks)
+        d_v = v.shape[-1]
+        if d_v < q.shape[-1]:
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - d_v))
+        outs, lses = [], []
+        for chunk in fusion_attention_chunks(segments.actual_seq_qlen, segments.actual_seq_kvlen):
+            out, lse = self._fusion_call(q, k, v, chunk, scale, window, sinks)
+            outs.append(out)
+            lses.append(lse)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return AttentionResult(out[..., :d_v], lses[0] if len(lses) == 1 else torch.cat(lses))
+
+    def _fusion_call(
+        self, q: Tensor, k: Tensor, v: Tensor, chunk: FusionChunk, scale: float, window: int | None, sinks: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """One ``npu_fusion_attention`` call over ``chunk``'s token ranges; out and LSE ``[T_chunk, H]``."""
+        sparse_mode, pre, nxt = (3, NO_LIMIT, 0) if window is None else (4, window - 1, 0)
+        extra = {} if sinks is None else {"sink": sinks.float()}
+        result = self._npu.npu_fusion_attention(
+            q[chunk.q_start : chunk.q_end], k[chunk.kv_start : chunk.kv_end], v[chunk.kv_start : chunk.kv_end], q.shape[1],
+            input_layout="TND", atten_mask=self._causal_mask(q.device), scale=float(scale), pre_tockens=pre,
+            next_tockens=nxt, actual_seq_qlen=chunk.actual_seq_qlen, actual_seq_kvlen=chunk.actual_seq_kvlen,
+            sparse_mode=sparse_mode, softmax_layout="TND", **extra,
+        )
+        out, softmax_max, softmax_sum = result[0], result[1], result[2]
+        return out, (softmax_max[..., 0] + torch.log(softmax_sum[..., 0])).detach().float()
+
+    def _sparse_reason(self, q: Tensor, d_v: int) -> str | None:
+        reason = self._dtype_reason("npu_sparse_flash_attention", q.dtype, SPARSE_DTYPES)
+        if reason is None and d_v >= q.shape[-1]:
+            reason = f"npu_sparse_flash_attention with d_v={d_v} = D (attention_mode=2 needs rope channels after d_v)"
+        return reason
+
+    def sparse_attention(
+        self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, *,
+        d_v: int, scale: float, sinks: Tensor | None,
+    ) -> AttentionResult:
+        """``npu_sparse_flash_attention`` over the listed rows of ``cat([kv_prefix, compressed])``.
+
+        Args:
+            q: ``[T, H, D]``. kv: ``[N, D]``, the first ``T_kv`` rows (the plan's kv tokens)
+                the prefix. indices: ``[T, K]`` causal absolute rows, -1 padded anywhere.
+            d_v: value channels (``< D``). scale: softmax scale. sinks: ``[H]`` or None.
+
+        Returns:
+            ``AttentionResult(out [T, H, d_v], lse [T, H] fp32, no gradient)``.
+        """
+        if self._fallback(self._sparse_reason(q, d_v)) or q.shape[0] == 0 or indices.shape[1] == 0:
+            return self._reference.sparse_attention(q, kv, indices, segments, d_v=d_v, scale=scale, sinks=sinks)
+        return self._sparse_call(q, kv, indices, segments, d_v, scale, sinks)
+
+    def _sparse_call(
+        self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, d_v: int, scale: float, sinks: Tensor | None
+    ) -> AttentionResult:
+        num_prefix = segments.actual_seq_kvlen[-1] if segments.actual_seq_kvlen else 0
+        kv_kernel, sparse_indices = sparse_kernel_layout(kv, indices, num_prefix)
+        key = kv_kernel[:, None, :d_v].contiguous()
+        lengths = torch.tensor([[q.shape[0]], [kv.shape[0]]], dtype=torch.int32, device=q.device)
+        out, softmax_max, softmax_sum = self._npu.npu_sparse_flash_attention(
+            q[..., :d_v].contiguous(), key, key, sparse_indices, float(scale),
+            actual_seq_lengths_query=lengths[0], actual_seq_lengths_kv=lengths[1],
+            query_rope=q[..., d_v:].contiguous(), key_rope=kv_kernel[:, None, d_v:].contiguous(),
+            sparse_block_size=1, layout_query="TND", layout_kv="TND", sparse_mode=3, attention_mode=2,
+            return_softmax_lse=True, sinks=None if sinks is None else sinks.float(),
+        )[:3]
+        return AttentionResult(out, (softmax_max[0] + torch.log(softmax_sum[0])).detach().float())
+
+    def indexer_topk(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
+        compressed: CompressedPlan, *, topk: int,
+    ) -> Tensor:
+        """``npu_lightning_indexer`` top-k, one call per residue of the query positions mod ``m``.
+
+        Args:
+            q_index: ``[T, H_I, D_I]``. k_index: ``[N_c, D_I]`` (cast to q's dtype, as the
+                kernel requires). weights: ``[T, H_I]``. compressed: the plan at the
+                indexer's ratio. topk: entries per query.
+
+        Returns:
+            ``[T, topk]`` int64 absolute rows of ``k_index``, -1 padded.
+        """
+        reason = self._dtype_reason("npu_lightning_indexer", q_index.dtype, SPARSE_DTYPES)
+        if self._fallback(reason):
+            return self._reference.indexer_topk(q_index, k_index, weights, segments, compressed, topk=topk)
+        result = torch.full((q_index.shape[0], topk), -1, dtype=torch.int64, device=q_index.device)
+        if q_index.shape[0] == 0 or compressed.num_entries == 0:
+            return result
+        key = k_index.to(q_index.dtype)[:, None, :]
+        weights = weights if weights.dtype == torch.float32 else weights.to(q_index.dtype)
+        for call in indexer_calls(segments.q_positions, segments.q_doc_rows, compressed):
+            indices = self._npu.npu_lightning_indexer(
+                q_index[call.rows].contiguous(), key[call.key_rows].contiguous(), weights[call.rows].contiguous(),
+                actual_seq_lengths_query=call.seq_lengths_query, actual_seq_lengths_key=call.seq_lengths_key,
+                layout_query="TND", layout_key="TND", sparse_count=topk, sparse_mode=3, return_value=False,
+            )[0]
+            relative = indices[:, 0, :].long()
+            result[call.rows] = torch.where(relative >= 0, relative + call.key_start[:, None], -1)
+        return result
+
+    def sparse_attention_with_indexer_loss(
+        self, q: Tensor, kv: Tensor, indices: Tensor, selected: Tensor, q_index: Tensor, k_index: Tensor,
+        weights: Tensor, segments: SegmentPlan, *, sinks: Tensor | None, config: IndexerLossConfig,
+    ) -> SparseAttentionWithLoss:
+        """``npu_sparse_flash_attention`` composed with the reference indexer-loss math (module doc)."""
+        if self._fallback(self._sparse_reason(q, config.d_v)) or q.shape[0] == 0:
+            return self._reference.sparse_attention_with_indexer_loss(
+                q, kv, indices, selected, q_index, k_index, weights, segments, sinks=sinks, config=config
+            )
+        if indices.shape[1] != config.num_window + selected.shape[1]:
+            raise ValueError(
+                f"indices must be [T, num_window + K] = [T, {config.num_window + selected.shape[1]}], got {tuple(indices.shape)}"
+            )
+        result = self._sparse_call(q, kv, indices, segments, config.d_v, config.scale, sinks)
+        with torch.no_grad():
+            probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
+            picked = probs[:, config.num_window :].to(torch.promote_types(q_index.dtype, torch.float32))
+            valid = selected >= 0
+            picked = torch.where(valid, picked, torch.zeros_like(picked))
+            target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
+            scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
+            kl, _ = _kl_terms(scores, target, valid)
+        out = cast(Tensor, _IndexerGradient.apply(result.out, q_index, k_index, weights, selected, target, config))  # type: ignore[no-untyped-call]
+        return SparseAttentionWithLoss(out, kl.sum().float())
