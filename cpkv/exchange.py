@@ -88,14 +88,15 @@ class _ExchangeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, routes: Routes, group: Group) -> Tensor:
         ctx.routes, ctx.group, ctx.rows = routes, group, x.shape[0]
-        return _all_to_all(x.index_select(0, routes.send_rows), routes.send_splits, routes.recv_splits, group)
+        rows = routes.send_rows.to(x.device)  # no-op when planned on x's device
+        return _all_to_all(x.index_select(0, rows), routes.send_splits, routes.recv_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         routes: Routes = ctx.routes
         back = _all_to_all(grad, routes.recv_splits, routes.send_splits, ctx.group)
         grad_x = grad.new_zeros((ctx.rows, *grad.shape[1:]))
-        return grad_x.index_add_(0, routes.send_rows, back), None, None
+        return grad_x.index_add_(0, routes.send_rows.to(grad.device), back), None, None
 
 
 def _all_to_all(x: Tensor, send_splits: tuple[int, ...], recv_splits: tuple[int, ...], group: Group) -> Tensor:

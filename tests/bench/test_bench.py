@@ -1,0 +1,65 @@
+"""The benchmark: its traffic model counts what a real run sends, and a smoke run works."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cpkv.attention_plan import plan_attention
+from cpkv.bench.__main__ import main
+from cpkv.bench.planning import loop_plan, planning_times, random_documents, tensor_loop_plan
+from cpkv.bench.traffic import Dims, layer_traffic
+from cpkv.commstats import count_bytes
+from cpkv.launch import spawn
+from cpkv.layout import seqlens_to_cu_seqlens
+from cpkv.sharding import shard_contiguous
+from cpkv.v4 import V4Attention, V4Config
+
+LENGTHS = [5, 0, 70, 3, 2, 60, 21, 0, 1, 30]  # 192 tokens
+SMALL = Dims(hidden=64, kv_dim=32, index_dim=16, window=16, element_bytes=4)  # V4Config defaults, fp32
+
+
+def _real_bytes(rank: int, world: int) -> dict[str, int]:
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x = torch.randn(int(cu[-1]), 64, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for ratio in (0, 8, 4):
+        layer = V4Attention(V4Config(compress_ratio=ratio, window=16), seed=0)
+        plan = plan_attention(cu, world, rank, compress_ratios=[ratio] if ratio > 1 else [], need_windows=[16])
+        for exchange in ("allgather", "need"):
+            x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+            with count_bytes() as counter:
+                out = layer(x_local, cu, None, plan=plan, exchange=exchange).out
+                torch.autograd.backward(out, torch.ones_like(out))
+            counts[f"{ratio}/{exchange}"] = counter.total
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_traffic_model_counts_what_a_real_run_receives() -> None:
+    world = 3
+    real = spawn(_real_bytes, world, timeout=100.0)
+    cu = seqlens_to_cu_seqlens(LENGTHS, dtype=torch.int64)
+    for rank in range(world):
+        for key, received in real[rank].items():
+            ratio, exchange = key.split("/")
+            assert layer_traffic(cu, world, rank, int(ratio), exchange, SMALL)[0] == received, (rank, key)
+    assert all(real[r]["0/need"] < real[r]["0/allgather"] for r in range(1, world))
+
+
+def test_planning_loops_agree_with_the_planner() -> None:
+    cu = random_documents(64, 4, seed=3)
+    total = int(cu[-1])
+    assert loop_plan(cu.tolist(), 0, total // 4) == tensor_loop_plan(cu, 0, total // 4)
+    vec, host, tensor = planning_times(cu, 4, repeats=1)
+    assert min(vec, host, tensor) > 0
+
+
+@pytest.mark.timeout(120)
+def test_smoke_run_writes_report_and_plot(tmp_path: Path, capsys: Any) -> None:
+    out, png = tmp_path / "b.md", tmp_path / "b.png"
+    assert main(["--smoke", "--out", str(out), "--plot", str(png)]) == 0
+    text = out.read_text()
+    assert "## Bytes received per rank per layer" in text and "## Planning time" in text and "## Wall time" in text
+    assert "| one document | 3 | INDEXER (ratio 4) |" in text
