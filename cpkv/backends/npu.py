@@ -14,17 +14,19 @@ adapter per kernel converts cpkv's conventions (SEMANTICS sections 1, 3, 5, 7):
   ``pre_tockens=W-1, next_tockens=0``; ``softmax_layout="TND"``; sinks as ``sink``
   (fp32 ``[H]``). LSE = ``softmax_max[..., 0] + log(softmax_sum[..., 0])``. v is
   zero-padded to q's head dim when ``D_v < D`` and the output sliced back.
-* ``npu_sparse_flash_attention`` (:func:`sparse_kernel_layout`): the pipeline's buffer is
-  ``cat([kv_prefix, compressed])`` with absolute rows; the kernel sees
-  ``cat([compressed, kv_prefix])`` as **one** TND sequence (``actual_seq_lengths_query
-  = [T]``, ``actual_seq_lengths_kv = [N]``), rows converted accordingly, valid entries
-  moved first, -1 padded, int32 ``[T, 1, K]``. With compressed rows first, the kernel's
-  ``sparse_mode=3`` bound ``j <= (N - T) + t`` holds for every causal pipeline index
-  (window rows are at or before the query's own row, and ``T_kv >= T``), so it masks
-  nothing and the result is exactly attention over the listed rows. MLA-absorb
-  (``attention_mode=2``): query/key are the first ``d_v`` channels (key is value),
-  ``query_rope``/``key_rope`` the rest, so the score is the full-``D`` dot product.
-  LSE = ``softmax_max[0] + log(softmax_sum[0])`` (``[1, T, H]`` in TND).
+* ``npu_sparse_flash_attention`` (:func:`sparse_kernel_layout`): the pipeline passes a
+  kv buffer (``cat([kv_prefix, compressed])``) and absolute rows, -1 padded anywhere. The
+  kernel takes rows relative to TND sequences and applies ``sparse_mode=3``
+  (rightDownCausal: row ``j`` allowed for query ``i`` iff ``j <= L_kv - L_q + i``). cpkv
+  passes **one** sequence, the buffer followed by ``T`` zero rows
+  (``actual_seq_lengths_query = [T]``, ``actual_seq_lengths_kv = [N + T]``): relative rows
+  are then the absolute rows, and the causal bound ``j <= N + t`` holds for every row of
+  the buffer, so the kernel masks nothing and the result is exactly attention over the
+  listed rows, whatever the buffer's layout (all-gather or need-based exchange). Indices:
+  valid entries first, -1 padded, int32 ``[T, 1, K]``. MLA-absorb (``attention_mode=2``):
+  query/key are the first ``d_v`` channels (key is value), ``query_rope``/``key_rope`` the
+  rest, so the score is the full-``D`` dot product. LSE = ``softmax_max[0] +
+  log(softmax_sum[0])`` (``[1, T, H]`` in TND).
 * ``npu_lightning_indexer`` (:func:`indexer_calls`): the kernel's ``sparse_mode=3`` is
   bottom-right causal over keys, while a query at document position ``p`` may see the
   first ``floor((p + 1) / m)`` compressed entries. Within a document the queries with
@@ -116,24 +118,21 @@ def fusion_attention_chunks(
     return chunks
 
 
-def sparse_kernel_layout(kv: Tensor, indices: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
-    """The kernel's kv buffer and ``sparse_indices`` for the pipeline's ``cat([kv_prefix, compressed])``.
+def sparse_kernel_layout(kv: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel's kv buffer and ``sparse_indices`` for the pipeline's buffer and absolute rows.
 
     Args:
-        kv: ``[N, D]``, rows ``< num_prefix`` the prefix, the rest compressed entries.
+        kv: ``[N, D]`` (the pipeline's ``cat([kv_prefix, compressed])``, any layout).
         indices: ``[T, K]`` int absolute rows of kv, -1 anywhere.
 
     Returns:
-        ``cat([compressed, prefix])`` ``[N, D]`` and int32 ``[T, 1, K]`` rows of it, valid
-        entries first (in their order), -1 padded.
+        ``cat([kv, zeros(T, D)])`` ``[N + T, D]`` (one TND sequence; the ``T`` padding rows
+        are never listed, they only lift the kernel's causal bound to ``j <= N + t``) and
+        int32 ``[T, 1, K]`` rows, unchanged, valid entries first (in their order), -1 padded.
     """
-    num_compressed = kv.shape[0] - num_prefix
-    kv_kernel = torch.cat([kv[num_prefix:], kv[:num_prefix]]) if num_compressed > 0 else kv
-    idx = indices.long()
-    rows = torch.where(idx < num_prefix, idx + num_compressed, idx - num_prefix)
-    rows = torch.where(idx < 0, -1, rows)
-    order = (rows < 0).to(torch.int8).argsort(dim=1, stable=True)
-    return kv_kernel, rows.gather(1, order).to(torch.int32).unsqueeze(1).contiguous()
+    kv_kernel = torch.cat([kv, kv.new_zeros((indices.shape[0], kv.shape[1]))])
+    order = (indices < 0).to(torch.int8).argsort(dim=1, stable=True)
+    return kv_kernel, indices.gather(1, order).to(torch.int32).unsqueeze(1).contiguous()
 
 
 class IndexerCall(NamedTuple):
@@ -305,11 +304,11 @@ class NPUBackend:
         self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, *,
         d_v: int, scale: float, sinks: Tensor | None,
     ) -> AttentionResult:
-        """``npu_sparse_flash_attention`` over the listed rows of ``cat([kv_prefix, compressed])``.
+        """``npu_sparse_flash_attention`` over the listed rows of the pipeline's kv buffer.
 
         Args:
-            q: ``[T, H, D]``. kv: ``[N, D]``, the first ``T_kv`` rows (the plan's kv tokens)
-                the prefix. indices: ``[T, K]`` causal absolute rows, -1 padded anywhere.
+            q: ``[T, H, D]``. kv: ``[N, D]`` (``cat([kv_prefix, compressed])``).
+                indices: ``[T, K]`` absolute rows of kv, -1 padded anywhere.
             d_v: value channels (``< D``). scale: softmax scale. sinks: ``[H]`` or None.
 
         Returns:
@@ -317,15 +316,12 @@ class NPUBackend:
         """
         if self._fallback(self._sparse_reason(q, d_v)) or q.shape[0] == 0 or indices.shape[1] == 0:
             return self._reference.sparse_attention(q, kv, indices, segments, d_v=d_v, scale=scale, sinks=sinks)
-        return self._sparse_call(q, kv, indices, segments, d_v, scale, sinks)
+        return self._sparse_call(q, kv, indices, d_v, scale, sinks)
 
-    def _sparse_call(
-        self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, d_v: int, scale: float, sinks: Tensor | None
-    ) -> AttentionResult:
-        num_prefix = segments.actual_seq_kvlen[-1] if segments.actual_seq_kvlen else 0
-        kv_kernel, sparse_indices = sparse_kernel_layout(kv, indices, num_prefix)
+    def _sparse_call(self, q: Tensor, kv: Tensor, indices: Tensor, d_v: int, scale: float, sinks: Tensor | None) -> AttentionResult:
+        kv_kernel, sparse_indices = sparse_kernel_layout(kv, indices)
         key = kv_kernel[:, None, :d_v].contiguous()
-        lengths = torch.tensor([[q.shape[0]], [kv.shape[0]]], dtype=torch.int32, device=q.device)
+        lengths = torch.tensor([[q.shape[0]], [kv_kernel.shape[0]]], dtype=torch.int32, device=q.device)
         out, softmax_max, softmax_sum = self._npu.npu_sparse_flash_attention(
             q[..., :d_v].contiguous(), key, key, sparse_indices, float(scale),
             actual_seq_lengths_query=lengths[0], actual_seq_lengths_kv=lengths[1],
@@ -380,7 +376,7 @@ class NPUBackend:
             raise ValueError(
                 f"indices must be [T, num_window + K] = [T, {config.num_window + selected.shape[1]}], got {tuple(indices.shape)}"
             )
-        result = self._sparse_call(q, kv, indices, segments, config.d_v, config.scale, sinks)
+        result = self._sparse_call(q, kv, indices, config.d_v, config.scale, sinks)
         with torch.no_grad():
             probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
             picked = probs[:, config.num_window :].to(torch.promote_types(q_index.dtype, torch.float32))

@@ -12,7 +12,7 @@ over the selected rows / the indexer keys) with the reference ops. The whole V4 
 through NPUBackend must then equal the reference backend, forward and backward, in every
 compress mode. Hardware limits the stand-in does not model: dtypes (the runs are fp64,
 ``check_dtypes=False``), head dims (the kernels take D=512/rope 64 or 128), tie order.
-Mutations (a dropped mask, a leading 0, a wrong row mapping) must be caught.
+Mutations (a dropped mask, a leading 0, a kv buffer without the padding rows) must be caught.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ CASES = {
     "compressor": V4Config(compress_ratio=8),
     "indexer": V4Config(compress_ratio=4, topk=4),
 }
+EXCHANGES = ["allgather", "need"]  # the need-based exchange hands the kernels a kv buffer without unseen prefix rows
 EXPECTED_OPS = {
     "window": {"npu_fusion_attention"},
     "dense": {"npu_fusion_attention"},
@@ -208,29 +209,31 @@ class StandInTorchNPU:
 # --------------------------------------------------------------------------- the whole layer
 
 
-def _run_case(rank: int, world: int, name: str, kind: str) -> dict[str, Any]:
+def _run_case(rank: int, world: int, name: str, kind: str, exchange: str) -> dict[str, Any]:
     config = CASES[name]
     cu = seqlens_to_cu_seqlens(LENGTHS)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64)
     layer = V4Attention(config, seed=7).double()
-    plan = plan_attention(cu, world, rank, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
+    ratios = [config.compress_ratio] if config.mode.compresses else []
+    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window])
     stand_in = StandInTorchNPU()
     backend = NPUBackend(torch_npu_module=stand_in, check_dtypes=False) if kind == "npu" else ReferenceBackend()
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-    result = layer(x_local, cu, None, plan=plan, backend=backend, grad_scale=2.0)
+    result = layer(x_local, cu, None, plan=plan, backend=backend, grad_scale=2.0, exchange=exchange)
     result.out.backward(shard_contiguous(grad_out, world, rank))
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     return {"out": result.out.detach(), "grad_x": x_local.grad, "grads": grads, "loss": result.indexer_loss, "calls": set(stand_in.calls)}
 
 
-def _layer_worker(rank: int, world: int) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(name, kind): _run_case(rank, world, name, kind) for name in CASES for kind in ("reference", "npu")}
+def _layer_worker(rank: int, world: int) -> dict[tuple[str, str, str], dict[str, Any]]:
+    return {(name, kind, exchange): _run_case(rank, world, name, kind, exchange)
+            for name in CASES for kind in ("reference", "npu") for exchange in EXCHANGES}
 
 
 @pytest.fixture(scope="module")
-def layer_runs() -> dict[int, list[dict[tuple[str, str], dict[str, Any]]]]:
+def layer_runs() -> dict[int, list[dict[tuple[str, str, str], dict[str, Any]]]]:
     return {world: spawn(_layer_worker, world, timeout=60.0) for world in (1, 2)}
 
 
@@ -240,14 +243,15 @@ def assert_close(actual: Tensor | None, expected: Tensor | None, what: str) -> N
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_layer_through_npu_backend_equals_reference(layer_runs: Any, name: str, world: int) -> None:
+def test_layer_through_npu_backend_equals_reference(layer_runs: Any, name: str, world: int, exchange: str) -> None:
     """fp64 both sides, but the kernels take fp32 sinks (schema), so sinks round to fp32 (~6e-8
     relative); everything else agrees to summation order (~1e-15). 1e-6 relative covers the
     former and is ~1e5 times below what a marshalling error produces."""
     for rank, per_rank in enumerate(layer_runs[world]):
-        ref, npu = per_rank[(name, "reference")], per_rank[(name, "npu")]
+        ref, npu = per_rank[(name, "reference", exchange)], per_rank[(name, "npu", exchange)]
         assert npu["calls"] == EXPECTED_OPS[name], f"{name} rank {rank}: kernels called {npu['calls']}"
         assert_close(npu["out"], ref["out"], f"{name} rank {rank} out")
         assert_close(npu["grad_x"], ref["grad_x"], f"{name} rank {rank} grad x")
@@ -352,14 +356,14 @@ def test_mutation_leading_zero_is_caught(monkeypatch: pytest.MonkeyPatch, both: 
         _npu().varlen_attention(q, k, v, segments, scale=0.3, window=None, sinks=None)
 
 
-def test_mutation_absolute_rows_without_remap_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Passing the pipeline's buffer and rows unchanged is schema-valid but the kernel's causal bound then drops entries."""
+def test_mutation_buffer_without_padding_rows_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passing the pipeline's buffer without the T padding rows is schema-valid, but the kernel's causal bound then drops rows."""
 
-    def unmapped(kv: Tensor, indices: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
+    def unpadded(kv: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
         order = (indices < 0).to(torch.int8).argsort(dim=1, stable=True)
         return kv, indices.gather(1, order).to(torch.int32).unsqueeze(1)
 
-    monkeypatch.setattr(npu_module, "sparse_kernel_layout", unmapped)
+    monkeypatch.setattr(npu_module, "sparse_kernel_layout", unpadded)
     segments = _plan()
     q, kv, indices, sinks = _sparse_inputs(segments)
     got = _npu().sparse_attention(q, kv, indices, segments, d_v=12, scale=0.25, sinks=sinks)
