@@ -327,7 +327,7 @@ class NPUBackend:
             actual_seq_lengths_query=lengths[0], actual_seq_lengths_kv=lengths[1],
             query_rope=q[..., d_v:].contiguous(), key_rope=kv_kernel[:, None, d_v:].contiguous(),
             sparse_block_size=1, layout_query="TND", layout_kv="TND", sparse_mode=3, attention_mode=2,
-            return_softmax_lse=True, sinks=None if sinks is None else sinks.float(),
+            return_softmax_lse=True, **({} if sinks is None else {"sinks": sinks.float()}),
         )[:3]
         return AttentionResult(out, (softmax_max[0] + torch.log(softmax_sum[0])).detach().float())
 
