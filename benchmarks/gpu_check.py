@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import os
 import sys
 import tempfile
@@ -134,9 +135,12 @@ def bench_one(local: int, rank: int, heads: int, window: int | None, reps: int, 
     spec, backend = AttentionSpec(d_v=dim, window=window), CUDABackend()
     window_size = (-1, 0) if window is None else (window - 1, 0)
 
+    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters  # torch >= 2.12; else expand the kv head
+
     def bare() -> torch.Tensor:
-        k = kv[:, None]
-        out = varlen_attn(q, k, k, cu_q, cu_k, local, prefix, scale=dim**-0.5, window_size=window_size, enable_gqa=True)
+        k = kv[:, None] if gqa else kv[:, None].expand(-1, heads, -1)
+        extra = {"enable_gqa": True} if gqa else {}
+        out = varlen_attn(q, k, k, cu_q, cu_k, local, prefix, scale=dim**-0.5, window_size=window_size, **extra)
         assert isinstance(out, torch.Tensor)
         return out
 

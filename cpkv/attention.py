@@ -252,7 +252,9 @@ def attention_forward(
         compressor, indexer: the layer's modules (compressed modes / INDEXER).
         plan: this rank's :class:`AttentionPlan`, computed once per micro-batch with
             ``compress_ratios`` covering this layer; built here when ``None``.
-        backend: ``"reference"`` or an :class:`AttentionBackend`.
+        backend: ``"reference"``, ``"cuda"``, ``"npu"``, ``"auto"`` (by ``q.device``) or an
+            :class:`AttentionBackend` instance (create it once per model so that fallback
+            warnings appear once).
         ring_degree: 1 (all-gather in one round); larger values are not implemented yet.
         grad_scale: multiplies the indexer-loss gradients (kept per call in autograd ctx).
         exchange: ``"allgather"`` (every rank gathers all kv and compressor inputs and
@@ -301,7 +303,7 @@ def attention_forward(
             hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True), plan.prefix)
         compressed, tensors = _compress_gathered(plan.segments, spec, hidden, hidden_prefix, compressor, indexer)
     return attend_prefix(
-        q, kv_buffer, plan.segments, spec=spec, backend=get_backend(backend), sinks=sinks, compressed=compressed,
+        q, kv_buffer, plan.segments, spec=spec, backend=get_backend(backend, q.device), sinks=sinks, compressed=compressed,
         indexer_tensors=tensors, kv_offset=kv_offset, varlen_segments=varlen_segments, grad_scale=grad_scale,
         num_global_queries=plan.num_global_queries,
     )
@@ -360,6 +362,7 @@ def attention_forward_bsnd(
     kv_full = gather_from_sp_cp(kv, group, tnd=False, dim=1)
     hidden_full = gather_from_sp_cp(hidden, group, tnd=False, dim=1) if spec.mode.compresses and hidden is not None else None
     c, outs, losses, ratio = plan.chunk_len, [], [], 1
+    ops = get_backend(backend, q.device)
     for k, (segments, prefix_len) in enumerate(zip(plan.steps, plan.prefix_lens)):
         local_rows = slice(k * c, (k + 1) * c)
         compressed, tensors = _compress_gathered(
@@ -368,7 +371,7 @@ def attention_forward_bsnd(
         )
         result = attend_prefix(
             q[:, local_rows].flatten(0, 1), kv_full[:, :prefix_len].flatten(0, 1), segments, spec=spec,
-            backend=get_backend(backend), sinks=sinks, compressed=compressed, indexer_tensors=tensors,
+            backend=ops, sinks=sinks, compressed=compressed, indexer_tensors=tensors,
             grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
         )
         outs.append(result.out.reshape(batch, c, *result.out.shape[1:]))
