@@ -1,0 +1,176 @@
+"""Rank-side helpers of the example notebooks (``examples/02_cp_attention_end_to_end.ipynb``).
+
+Functions that :func:`cpkv.launch.spawn` runs on fresh processes must be importable
+(a function defined in a notebook is not), so the notebook's per-rank work lives here.
+Everything is built from the public API: :class:`cpkv.v4.V4Attention` under CP, the
+pure planners, :func:`cpkv.gather_from_sp_cp` and :func:`cpkv.commstats.count_bytes`.
+
+Typical use (what notebook 02 does)::
+
+    from cpkv.launch import spawn
+    from cpkv.tutorial import run_layer_modes
+    per_rank = spawn(run_layer_modes, 4, configs, x, grad_out, cu_seqlens, 0, 1.0, ("allgather", "need"))
+    # per_rank[r][exchange][mode] is a RankResult of rank r
+
+and :func:`indexer_selection` with a ``cp_size = 1`` plan gives the single-process
+top-k selection to compare the ranks' selections with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpkv.attention_plan import AttentionPlan, plan_attention
+from cpkv.backends import get_backend
+from cpkv.comm import gather_from_sp_cp
+from cpkv.commstats import count_bytes
+from cpkv.compress_mode import LayerCompressMode
+from cpkv.layout import compress_cu_seqlens
+from cpkv.plan import rearrange_prefix_kv
+from cpkv.sharding import shard_contiguous
+from cpkv.v4 import V4Attention, V4Config
+
+
+class RankResult(NamedTuple):
+    """What one rank computed for one layer configuration (all tensors on CPU).
+
+    Attributes:
+        out: ``[T/cp, hidden]`` the layer output of the rank's tokens.
+        grad_x: ``[T/cp, hidden]`` gradient of ``sum(out * grad_out)`` w.r.t. the rank's inputs.
+        param_grads: name -> this rank's share of each parameter gradient (sum them over
+            ranks for the CP result, as the data-parallel/CP gradient all-reduce does).
+        bytes_by_op: bytes this rank received per collective during forward + backward.
+        indexer_loss: ``sum_t KL_t`` over the rank's queries (INDEXER layers), else ``None``.
+        selected: ``[T/cp, topk]`` int64 **global** compressed-entry ids the indexer chose
+            for each query (numbered over the whole batch, see :func:`indexer_selection`),
+            -1 padded; ``None`` outside INDEXER layers.
+        seconds: wall time of forward + backward on this rank.
+    """
+
+    out: Tensor
+    grad_x: Tensor
+    param_grads: dict[str, Tensor]
+    bytes_by_op: dict[str, int]
+    indexer_loss: float | None
+    selected: Tensor | None
+    seconds: float
+
+
+def compress_ratios(config: V4Config) -> list[int]:
+    """The ratios :func:`cpkv.plan_attention` must plan for a layer with ``config``."""
+    return [config.compress_ratio] if config.mode.compresses else []
+
+
+def indexer_selection(
+    layer: V4Attention, hidden: Tensor, hidden_prefix: Tensor, plan: AttentionPlan, cu_seqlens: Tensor
+) -> Tensor:
+    """The lightning indexer's top-k choice for the plan's queries, as global entry ids.
+
+    Recomputes what :func:`cpkv.attention_forward` selects inside an INDEXER layer
+    (indexer queries from the queries' inputs, indexer keys compressed from the prefix
+    inputs, the backend's top-k over the causally visible entries, ties to the earlier
+    entry) and renumbers the chosen rows from the rank's prefix to the whole batch.
+
+    Args:
+        layer: an INDEXER layer (``compress_ratio == 4``).
+        hidden: ``[T_q, hidden]`` inputs of the plan's queries (the rank's shard).
+        hidden_prefix: ``[T_kv, hidden]`` inputs of the plan's kv prefix
+            (``rearrange_prefix_kv(gathered_inputs, plan.prefix)``; the whole batch when
+            ``plan`` is a ``cp_size = 1`` plan).
+        plan: the rank's plan, made with ``compress_ratios`` containing 4.
+        cu_seqlens: ``[B + 1]`` global leading-zero cu_seqlens of the batch.
+
+    Returns:
+        ``[T_q, topk]`` int64: entry ``e`` is the ``e``-th compressed entry of the whole
+        batch, numbered by ``compress_cu_seqlens(cu_seqlens, 4).cu_seqlens`` (document by
+        document); -1 where fewer than ``topk`` entries are visible.
+
+    Raises:
+        ValueError: ``layer`` is not an INDEXER layer.
+    """
+    if layer.indexer is None or layer.config.mode is not LayerCompressMode.INDEXER:
+        raise ValueError(f"indexer_selection needs an INDEXER layer, got compress_ratio={layer.config.compress_ratio}")
+    segments = plan.segments
+    compressed = segments.compressed_for(layer.indexer.ratio)
+    with torch.no_grad():
+        q_index, weights = layer.indexer.queries(hidden, segments.q_positions)
+        k_index = layer.indexer.keys(hidden_prefix, compressed)
+        if k_index is None:  # no full block in the prefix: nothing to select
+            return torch.full((hidden.shape[0], layer.config.topk), -1, dtype=torch.int64)
+        local = get_backend("reference").indexer_topk(q_index, k_index, weights, segments, compressed, topk=layer.config.topk)
+    # Local row -> (segment b, entry j of its document) -> global entry id.
+    local_cu = compressed.cu_seqlens.long()
+    segment = torch.searchsorted(local_cu[1:], local.clamp(min=0), right=True)
+    entry_in_doc = local.clamp(min=0) - local_cu[segment]
+    global_cu = compress_cu_seqlens(cu_seqlens, layer.indexer.ratio).cu_seqlens.long()
+    global_ids = global_cu[plan.prefix.doc_ids.long()[segment]] + entry_in_doc
+    return torch.where(local >= 0, global_ids, -1)
+
+
+def _run_one(
+    config: V4Config, x: Tensor, grad_out: Tensor, cu_seqlens: Tensor, rank: int, world_size: int,
+    seed: int, grad_scale: float, exchange: str,
+) -> RankResult:
+    """Forward + backward of one layer on this rank's contiguous TND shard."""
+    layer = V4Attention(config, seed=seed).to(x.dtype)
+    need_windows = [config.window] if exchange == "need" else None
+    plan = plan_attention(cu_seqlens, world_size, rank, compress_ratios=compress_ratios(config), need_windows=need_windows)
+    x_local = shard_contiguous(x, world_size, rank).clone().requires_grad_(True)
+    with count_bytes() as counter:
+        start = time.perf_counter()
+        result = layer(x_local, cu_seqlens, None, plan=plan, grad_scale=grad_scale, exchange=exchange)
+        torch.autograd.backward(result.out, shard_contiguous(grad_out, world_size, rank))
+        seconds = time.perf_counter() - start
+    selected = None
+    if config.mode is LayerCompressMode.INDEXER:  # outside the counter: not part of the layer's traffic
+        hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(x_local.detach(), None, tnd=True), plan.prefix)
+        selected = indexer_selection(layer, x_local.detach(), hidden_prefix, plan, cu_seqlens)
+    grads = {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for name, p in layer.named_parameters()
+    }
+    grad_x = x_local.grad if x_local.grad is not None else torch.zeros_like(x_local)
+    loss = float(result.indexer_loss) if result.indexer_loss is not None else None
+    return RankResult(result.out.detach(), grad_x.detach(), grads, dict(counter.by_op), loss, selected, seconds)
+
+
+def run_layer_modes(
+    rank: int, world_size: int, configs: Mapping[str, V4Config], x: Tensor, grad_out: Tensor,
+    cu_seqlens: Tensor, seed: int, grad_scale: float, exchanges: Sequence[str] = ("allgather",),
+) -> dict[str, dict[str, RankResult]]:
+    """Run the V4-style layer under CP on this rank, once per exchange strategy and configuration.
+
+    Meant for :func:`cpkv.launch.spawn` (which passes ``rank`` and ``world_size`` and
+    has already initialised the default gloo group, used as the CP group). Every rank
+    receives the whole batch and takes its own contiguous shard, so the notebook can
+    compare the concatenated shards with the single-process layer.
+
+    Args:
+        rank, world_size: this rank and the CP group size (``T % world_size == 0``).
+        configs: mode name -> :class:`~cpkv.v4.V4Config` (e.g. window / compressor / indexer).
+        x: ``[T, hidden]`` the whole packed batch's layer inputs.
+        grad_out: ``[T, hidden]`` upstream gradient of the layer output.
+        cu_seqlens: ``[B + 1]`` global leading-zero cu_seqlens, ``cu_seqlens[-1] == T``.
+        seed: initialisation seed of :class:`~cpkv.v4.V4Attention` (same on every rank and
+            in the single-process comparison).
+        grad_scale: passed to the layer (scales the indexer-loss gradient).
+        exchanges: how the prefix reaches each rank, each one run in turn: ``"allgather"``
+            (every rank gathers the whole batch, MindSpeed's scheme) and/or ``"need"`` (each
+            rank receives only the rows it needs; the plan is then made with ``need_windows``).
+
+    Returns:
+        exchange -> mode name -> :class:`RankResult` of this rank.
+    """
+    results: dict[str, dict[str, RankResult]] = {}
+    for exchange in exchanges:
+        results[exchange] = {}
+        for name, config in configs.items():
+            results[exchange][name] = _run_one(config, x, grad_out, cu_seqlens, rank, world_size, seed, grad_scale, exchange)
+            dist.barrier()  # keep the ranks' per-mode timings aligned
+    return results
