@@ -75,7 +75,7 @@ def selected_index_scores(q_index: Tensor, k_index: Tensor, weights: Tensor, sel
     return torch.cat(blocks)
 
 
-def _kl_terms(scores: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+def kl_terms(scores: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """Per-query KL(target || softmax(scores)) and softmax(scores), 0 where nothing is selected."""
     has_any = valid.any(dim=-1, keepdim=True)
     log_pred = torch.log_softmax(scores.masked_fill(~has_any, 0.0), dim=-1)
@@ -98,7 +98,7 @@ class _SparseAttentionIndexerLoss(torch.autograd.Function):
         picked = torch.where(valid, picked, torch.zeros_like(picked))
         target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
         scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
-        kl, _ = _kl_terms(scores, target, valid)
+        kl, _ = kl_terms(scores, target, valid)
         ctx.save_for_backward(q, kv, sinks, q_index, k_index, weights, indices, selected, target)
         ctx.config = config
         loss = kl.sum().float()
@@ -118,15 +118,15 @@ class _SparseAttentionIndexerLoss(torch.autograd.Function):
             ).out
             scores = selected_index_scores(idx_inputs[0], idx_inputs[1], idx_inputs[2], selected, config.block_size)
             valid = selected >= 0
-            _, pred = _kl_terms(scores.detach(), target, valid)
+            _, pred = kl_terms(scores.detach(), target, valid)
             grad_scores = (pred - target) * (config.grad_scale / config.num_global_queries)
             grad_scores = torch.where(valid, grad_scores, torch.zeros_like(grad_scores))
-        attn_grads = _grads(out, attn_inputs, grad_out)
-        idx_grads = _grads(scores, idx_inputs, grad_scores)
+        attn_grads = input_grads(out, attn_inputs, grad_out)
+        idx_grads = input_grads(scores, idx_inputs, grad_scores)
         return (*attn_grads, *idx_grads, None, None, None)
 
 
-def _grads(output: Tensor, inputs: list[Tensor | None], grad: Tensor) -> list[Tensor | None]:
+def input_grads(output: Tensor, inputs: list[Tensor | None], grad: Tensor) -> list[Tensor | None]:
     """``d output / d inputs`` contracted with ``grad``; ``None`` for inputs without grad."""
     wanted = [t for t in inputs if t is not None and t.requires_grad]
     if not wanted or not output.requires_grad:

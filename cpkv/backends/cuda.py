@@ -105,6 +105,8 @@ def _run_kernel(call: _KernelCall, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor
     if heads_kv != heads:
         if call.gqa:
             kwargs["enable_gqa"] = True
+        elif heads_kv == 1:  # MQA: a stride-0 view, no copy (flash takes it)
+            k, v = k.expand(-1, heads, -1), v.expand(-1, heads, -1)
         else:
             k, v = k.repeat_interleave(heads // heads_kv, 1), v.repeat_interleave(heads // heads_kv, 1)
     from torch.nn.attention.varlen import AuxRequest

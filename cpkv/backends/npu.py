@@ -64,7 +64,7 @@ from torch.autograd.function import once_differentiable
 from cpkv.attention_plan import CompressedPlan, SegmentPlan
 from cpkv.backends.reference import AttentionResult, sparse_attention_head_probs
 from cpkv.backends.reference_backend import ReferenceBackend
-from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss, _grads, _kl_terms, selected_index_scores
+from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss, input_grads, kl_terms, selected_index_scores
 
 __all__ = ["FusionChunk", "IndexerCall", "NPUBackend", "fusion_attention_chunks", "indexer_calls", "sparse_kernel_layout"]
 
@@ -191,10 +191,10 @@ class _IndexerGradient(torch.autograd.Function):
         with torch.enable_grad():
             scores = selected_index_scores(leaves[0], leaves[1], leaves[2], selected, config.block_size)
         valid = selected >= 0
-        _, pred = _kl_terms(scores.detach(), target, valid)
+        _, pred = kl_terms(scores.detach(), target, valid)
         grad_scores = torch.where(valid, (pred - target) * (config.grad_scale / config.num_global_queries), 0.0)
         inputs: list[Tensor | None] = list(leaves)
-        return (grad_out, *_grads(scores, inputs, grad_scores), None, None, None)
+        return (grad_out, *input_grads(scores, inputs, grad_scores), None, None, None)
 
 
 class NPUBackend:
@@ -384,6 +384,6 @@ class NPUBackend:
             picked = torch.where(valid, picked, torch.zeros_like(picked))
             target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
             scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
-            kl, _ = _kl_terms(scores, target, valid)
+            kl, _ = kl_terms(scores, target, valid)
         out = cast(Tensor, _IndexerGradient.apply(result.out, q_index, k_index, weights, selected, target, config))  # type: ignore[no-untyped-call]
         return SparseAttentionWithLoss(out, kl.sum().float())
