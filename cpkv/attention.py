@@ -22,9 +22,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpkv._checks import check_int, check_ndim, check_tensor
-from cpkv.attention_plan import AttentionPlan, BSNDPlan, CompressedPlan, SegmentPlan, plan_attention, plan_attention_bsnd
+from cpkv.attention_plan import (
+    AttentionPlan,
+    BSNDPlan,
+    CompressedPlan,
+    SegmentPlan,
+    ZigzagTNDPlan,
+    plan_attention,
+    plan_attention_bsnd,
+    plan_attention_zigzag_tnd,
+)
 from cpkv.backends import AttentionBackend, get_backend
-from cpkv.comm import Group, gather_from_sp_cp
+from cpkv.comm import BackwardOrder, Group, gather_from_sp_cp
 from cpkv.exchange import NeedPlan, exchange_rows
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.indexer_loss import IndexerLossConfig
@@ -187,22 +196,27 @@ def _compress_gathered(
 
 def _compress_exchanged(
     need: NeedPlan, segments: SegmentPlan, spec: AttentionSpec, hidden: Tensor | None, width: int,
-    compressor: CompressorFn | None, indexer: IndexerFn | None, group: Group,
+    kv_dtype: torch.dtype, compressor: CompressorFn | None, indexer: IndexerFn | None, group: Group,
+    order: BackwardOrder,
 ) -> tuple[Tensor | None, IndexerTensors | None]:
     """Compress the rank's own blocks, then exchange entries (never another rank's blocks)."""
     if not spec.mode.compresses or compressor is None or hidden is None:
         return None, None
     plan = need.compressed[spec.compress_ratio]
-    local_inputs = torch.cat([exchange_rows(hidden, plan.hidden, group), hidden])
+    halo = exchange_rows(hidden, plan.hidden, group, order=order)
+    local_inputs = torch.cat([halo, hidden])
+    # Every rank must send the same dtype: entries travel in the kv dtype (what attention
+    # uses them in), indexer keys in the compressor's fp32 (fp64) compute dtype.
     owned = compressor(local_inputs, plan.owned)
-    owned = owned if owned is not None else local_inputs.new_zeros((0, width))
-    compressed = torch.cat([exchange_rows(owned, plan.entries, group), owned])
+    owned = owned.to(kv_dtype) if owned is not None else local_inputs.new_zeros((0, width), dtype=kv_dtype)
+    compressed = torch.cat([exchange_rows(owned, plan.entries, group, order=order), owned])
     tensors = None
     if spec.mode is LayerCompressMode.INDEXER and indexer is not None:
         q_index, weights = indexer.queries(hidden.detach(), segments.q_positions)
         own_keys = indexer.keys(local_inputs.detach(), plan.owned)
-        own_keys = own_keys if own_keys is not None else q_index.new_zeros((0, q_index.shape[-1]))
-        keys = torch.cat([exchange_rows(own_keys, plan.entries, group), own_keys])
+        key_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        own_keys = own_keys.to(key_dtype) if own_keys is not None else hidden.new_zeros((0, q_index.shape[-1]), dtype=key_dtype)
+        keys = torch.cat([exchange_rows(own_keys, plan.entries, group, order=order), own_keys])
         tensors = IndexerTensors(q_index, weights, keys)
     return (compressed if compressed.shape[0] else None), tensors
 
@@ -290,23 +304,26 @@ def attention_forward(
             f" this call has cp_size={cp_size}, cp_rank={cp_rank}, T={int(cu_seqlens[-1])}"
         )
     _check_inputs(q, kv, hidden, spec, plan.prefix.local_len, compressor, indexer)
-    kv_offset, varlen_segments = 0, None
+    kv_offset, varlen_segments, order = 0, None, BackwardOrder(q.device)
     if exchange == "need":
         need = _need_plan(plan, spec)
-        kv_buffer = torch.cat([exchange_rows(kv, need.kv[spec.window], group), kv])
+        kv_buffer = torch.cat([exchange_rows(kv, need.kv[spec.window], group, order=order), kv])
         kv_offset, varlen_segments = need.kv_offset[spec.window], need.window_segments[spec.window]
-        compressed, tensors = _compress_exchanged(need, plan.segments, spec, hidden, kv.shape[-1], compressor, indexer, group)
+        compressed, tensors = _compress_exchanged(
+            need, plan.segments, spec, hidden, kv.shape[-1], kv.dtype, compressor, indexer, group, order
+        )
     else:
-        kv_buffer = rearrange_prefix_kv(gather_from_sp_cp(kv, group, tnd=True), plan.prefix)
+        kv_buffer = rearrange_prefix_kv(gather_from_sp_cp(kv, group, tnd=True, order=order), plan.prefix)
         hidden_prefix = None
         if spec.mode.compresses and hidden is not None:
-            hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True), plan.prefix)
+            hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan.prefix)
         compressed, tensors = _compress_gathered(plan.segments, spec, hidden, hidden_prefix, compressor, indexer)
-    return attend_prefix(
+    result = attend_prefix(
         q, kv_buffer, plan.segments, spec=spec, backend=get_backend(backend, q.device), sinks=sinks, compressed=compressed,
         indexer_tensors=tensors, kv_offset=kv_offset, varlen_segments=varlen_segments, grad_scale=grad_scale,
         num_global_queries=plan.num_global_queries,
     )
+    return result._replace(out=order.attach(result.out))
 
 
 def _need_plan(plan: AttentionPlan, spec: AttentionSpec) -> NeedPlan:
@@ -359,8 +376,11 @@ def attention_forward_bsnd(
         raise ValueError(f"plan (B={plan.batch}, S={plan.seq_len}, cp={plan.cp_size}, rank={plan.cp_rank}) does not match this call")
     flat_hidden = hidden.flatten(0, 1) if hidden is not None else None
     _check_inputs(q.flatten(0, 1), kv.flatten(0, 1), flat_hidden, spec, batch * local, compressor, indexer)
-    kv_full = gather_from_sp_cp(kv, group, tnd=False, dim=1)
-    hidden_full = gather_from_sp_cp(hidden, group, tnd=False, dim=1) if spec.mode.compresses and hidden is not None else None
+    order = BackwardOrder(q.device)
+    kv_full = gather_from_sp_cp(kv, group, tnd=False, dim=1, order=order)
+    hidden_full = None
+    if spec.mode.compresses and hidden is not None:
+        hidden_full = gather_from_sp_cp(hidden, group, tnd=False, dim=1, order=order)
     c, outs, losses, ratio = plan.chunk_len, [], [], 1
     ops = get_backend(backend, q.device)
     for k, (segments, prefix_len) in enumerate(zip(plan.steps, plan.prefix_lens)):
@@ -378,4 +398,54 @@ def attention_forward_bsnd(
         losses += [result.indexer_loss] if result.indexer_loss is not None else []
         ratio = max(ratio, result.effective_ratio)
     loss = torch.stack(losses).sum() if losses else None
-    return AttentionOutput(torch.cat(outs, dim=1), loss, ratio)
+    return AttentionOutput(order.attach(torch.cat(outs, dim=1)), loss, ratio)
+
+
+def attention_forward_zigzag_tnd(
+    q: Tensor, kv: Tensor, cu_seqlens: Tensor, group: Group, *, spec: AttentionSpec, sinks: Tensor | None = None,
+    hidden: Tensor | None = None, compressor: CompressorFn | None = None, indexer: IndexerFn | None = None,
+    plan: ZigzagTNDPlan | None = None, backend: str | AttentionBackend = "reference", ring_degree: int = 1,
+    grad_scale: float = 1.0,
+) -> AttentionOutput:
+    """Prefix attention of this rank's per-document zigzag TND shard (load-balanced).
+
+    Same contract as :func:`attention_forward`, for shards made with
+    :func:`cpkv.sharding.shard_zigzag_tnd` (chunks ``r`` and ``2cp-1-r`` of every document).
+    The kv (and compressor inputs) are all-gathered and the two overlapping prefixes of every
+    document are read into one buffer (see :class:`~cpkv.attention_plan.ZigzagTNDPlan`).
+    Only the all-gather exchange exists for this sharding.
+
+    Args:
+        q: ``[T/cp, H, D]`` queries in shard order, RoPE at ``plan.segments.q_positions``.
+        kv: ``[T/cp, D]``; hidden: ``[T/cp, hidden]`` (compressed modes); the rest as
+            :func:`attention_forward`.
+
+    Returns:
+        :class:`AttentionOutput` with ``out`` ``[T/cp, H, d_v]`` in shard order.
+
+    Raises:
+        ValueError, TypeError: bad shapes or options, a document length not divisible by
+            ``2 * cp``, on every rank before any collective.
+    """
+    if check_int("ring_degree", ring_degree, minimum=1) != 1:
+        raise ValueError(f"ring_degree={ring_degree}: only 1 (one all-gather round) is implemented so far")
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    validate_cu_seqlens(cu_seqlens)
+    if plan is None:
+        ratios = [spec.compress_ratio] if spec.mode.compresses else []
+        plan = plan_attention_zigzag_tnd(cu_seqlens, cp_size, cp_rank, compress_ratios=ratios)
+    if (plan.cp_size, plan.cp_rank, plan.num_tokens) != (cp_size, cp_rank, int(cu_seqlens[-1])):
+        raise ValueError(f"plan (cp={plan.cp_size}, rank={plan.cp_rank}, T={plan.num_tokens}) does not match this call")
+    _check_inputs(q, kv, hidden, spec, plan.num_tokens // cp_size, compressor, indexer)
+    rows = plan.kv_rows.to(kv.device)
+    order = BackwardOrder(q.device)
+    kv_buffer = gather_from_sp_cp(kv, group, tnd=True, order=order).index_select(0, rows)
+    hidden_buffer = None
+    if spec.mode.compresses and hidden is not None:
+        hidden_buffer = gather_from_sp_cp(hidden, group, tnd=True, order=order).index_select(0, rows)
+    compressed, tensors = _compress_gathered(plan.segments, spec, hidden, hidden_buffer, compressor, indexer)
+    result = attend_prefix(
+        q, kv_buffer, plan.segments, spec=spec, backend=get_backend(backend, q.device), sinks=sinks,
+        compressed=compressed, indexer_tensors=tensors, grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
+    )
+    return result._replace(out=order.attach(result.out))

@@ -24,7 +24,7 @@ from torch import Tensor
 from cpkv._checks import check_int
 from cpkv.layout import compress_cu_seqlens, token_positions, validate_cu_seqlens
 from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens
-from cpkv.sharding import contiguous_shard_range, zigzag_chunks
+from cpkv.sharding import check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_chunks, zigzag_tnd_gather_index
 
 if TYPE_CHECKING:
     from cpkv.exchange import NeedPlan
@@ -297,4 +297,73 @@ def plan_attention_bsnd(
         steps=(segments[0], segments[1]), prefix_lens=((chunks[0] + 1) * c, (chunks[1] + 1) * c), chunk_len=c,
         positions=positions, batch=batch, seq_len=seq_len, cp_size=cp_size, cp_rank=cp_rank,
         num_global_queries=batch * seq_len,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class ZigzagTNDPlan:
+    """One rank's plan for per-document zigzag TND sharding (load-balanced causal work).
+
+    Every non-empty document (length ``n``, chunk ``c = n / (2cp)``) gives two query
+    segments, chunks ``r`` and ``2cp-1-r``, with causal prefixes ``(r+1)c`` and
+    ``(2cp-r)c``. The prefixes overlap; cpkv duplicates them into one kv buffer (one kernel
+    call over ``2 * B`` segment pairs), read from the rank-major all-gather with ``kv_rows``.
+    Cost: ``(2cp+1)/(2cp)`` of the micro-batch's kv rows copied per layer (and, in compressed
+    layers, the shorter prefix compressed twice).
+
+    Attributes:
+        segments: the :class:`SegmentPlan` of the duplicated buffer (local queries in shard order).
+        kv_rows: ``[sum Lkv]`` int64 rows of the rank-major gathered buffer forming the kv buffer.
+        num_global_queries: ``T``. cp_size, cp_rank, num_tokens: what the plan is for.
+    """
+
+    segments: SegmentPlan
+    kv_rows: Tensor
+    num_global_queries: int
+    cp_size: int
+    cp_rank: int
+    num_tokens: int
+
+
+def plan_attention_zigzag_tnd(
+    cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, compress_ratios: Sequence[int] = ()
+) -> ZigzagTNDPlan:
+    """Pure per-rank plan for per-document zigzag TND sharding (no communication).
+
+    Args:
+        cu_seqlens: ``[B + 1]`` global leading-zero cu_seqlens; every document length divisible
+            by ``2 * cp_size`` (pad with :func:`cpkv.layout.pad_documents`).
+        cp_size, cp_rank: CP group size and this rank.
+        compress_ratios: ratios ``> 1`` the layers use.
+
+    Raises:
+        ValueError: invalid cu_seqlens; a document length not divisible by ``2 * cp_size``
+            (the first one is named); rank out of range.
+
+    Example:
+        >>> plan = plan_attention_zigzag_tnd(torch.tensor([0, 8]), 2, 0)
+        >>> plan.segments.cu_seqlens_q.tolist(), plan.segments.cu_seqlens_kv.tolist()
+        ([0, 2, 4], [0, 2, 10])
+    """
+    validate_cu_seqlens(cu_seqlens)
+    first, second = zigzag_chunks(cp_size, cp_rank)
+    check_zigzag_tnd_lengths(cu_seqlens, cp_size)
+    starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.long().diff()
+    keep = lengths > 0
+    starts, chunk = starts[keep], lengths[keep] // (2 * cp_size)
+    q_lens = chunk.repeat_interleave(2)
+    kv_lens = torch.stack([(first + 1) * chunk, (second + 1) * chunk], 1).flatten()
+    zero = q_lens.new_zeros(1)
+    cu_q, cu_kv = torch.cat([zero, q_lens.cumsum(0)]), torch.cat([zero, kv_lens.cumsum(0)])
+    total = int(cu_kv[-1])
+    seg = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cu_kv.device), kv_lens, output_size=total)
+    natural = starts.repeat_interleave(2)[seg] + torch.arange(total, device=cu_kv.device) - cu_kv[seg]
+    gathered_pos = zigzag_tnd_gather_index(cu_seqlens, cp_size)
+    return ZigzagTNDPlan(
+        segments=plan_segments(cu_q, cu_kv, compress_ratios=compress_ratios),
+        kv_rows=gathered_pos[natural],
+        num_global_queries=int(cu_seqlens[-1]),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        num_tokens=int(cu_seqlens[-1]),
     )

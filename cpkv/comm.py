@@ -51,28 +51,63 @@ def reduce_scatter_tokens(x: Tensor, group: Group) -> Tensor:
     return out
 
 
+class BackwardOrder:
+    """Makes the backward collectives of one computation run in one order on every rank.
+
+    A differentiable collective issues its backward collective when autograd reaches it,
+    and autograd's order depends on the graph, which can differ between ranks (one rank's
+    compressor returns ``None``, another's does not). Ranks would then issue different
+    collectives and hang or exchange garbage. Threading a token through every collective of
+    the computation (``order=``) makes collective ``k-1``'s backward wait for collective
+    ``k``'s, and :meth:`attach` ties the last token to the output, so every rank runs every
+    backward collective, in the reverse of the forward order. One instance per layer call.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.token = torch.zeros((), device=device)
+
+    def attach(self, out: Tensor) -> Tensor:
+        """``out`` unchanged; its backward first runs the chain of collectives."""
+        if not self.token.requires_grad:
+            return out
+        attached: Tensor = _Attach.apply(out, self.token)  # type: ignore[no-untyped-call]
+        return attached
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, token: Tensor) -> Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, grad.new_zeros(())
+
+
 class _GatherTokens(torch.autograd.Function):
     """All-gather along dim 0 (optionally zigzag-reordered); backward: reduce-scatter(sum)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Group, zigzag_cp_size: int) -> Tensor:
+    def forward(ctx: Any, x: Tensor, token: Tensor, group: Group, zigzag_cp_size: int) -> tuple[Tensor, Tensor]:
         ctx.group = group
         ctx.zigzag_cp_size = zigzag_cp_size
         gathered = all_gather_tokens(x, group)
         if zigzag_cp_size:
             gathered = permute_cp_shard(gathered, zigzag_cp_size, reorder=True)
-        return gathered
+        return gathered, token.detach().clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor, Tensor, None, None]:
         if ctx.zigzag_cp_size:
             inverse = torch.argsort(torch.tensor(zigzag_gather_index(ctx.zigzag_cp_size)))
             chunks = grad.reshape(2 * ctx.zigzag_cp_size, -1, *grad.shape[1:])
             grad = chunks.index_select(0, inverse.to(grad.device)).flatten(0, 1)
-        return reduce_scatter_tokens(grad, ctx.group), None, None
+        return reduce_scatter_tokens(grad, ctx.group), grad_token, None, None
 
 
-def gather_from_sp_cp(x: Tensor, group: Group, *, tnd: bool, dim: int = 0, tp_size: int = 1) -> Tensor:
+def gather_from_sp_cp(
+    x: Tensor, group: Group, *, tnd: bool, dim: int = 0, tp_size: int = 1, order: BackwardOrder | None = None
+) -> Tensor:
     """All-gather ``x`` along ``dim`` over ``group``, differentiably.
 
     Args:
@@ -85,6 +120,9 @@ def gather_from_sp_cp(x: Tensor, group: Group, *, tnd: bool, dim: int = 0, tp_si
         dim: the token dimension.
         tp_size: when ``group`` is TP x CP with the TP rank varying fastest (Megatron's
             order), the TP size; the zigzag reorder then uses ``cp = world / tp_size``.
+        order: chain this gather's backward into a :class:`BackwardOrder` (needed when
+            several differentiable collectives feed one output and ranks may use them
+            differently).
 
     Returns:
         ``[world * n, ...]`` along ``dim``. Backward: the gradient is reduce-scattered
@@ -107,8 +145,12 @@ def gather_from_sp_cp(x: Tensor, group: Group, *, tnd: bool, dim: int = 0, tp_si
             f" divisible by 2*cp = {2 * cp_size} (zigzag chunks)"
         )
     moved = x.movedim(dim, 0)
-    gathered: Tensor = _GatherTokens.apply(moved, group, 0 if tnd else cp_size)  # type: ignore[no-untyped-call]
-    return gathered.movedim(0, dim)
+    token = order.token if order is not None else x.new_zeros(())
+    gathered, token = _GatherTokens.apply(moved, token, group, 0 if tnd else cp_size)  # type: ignore[no-untyped-call]
+    if order is not None:
+        order.token = token
+    result: Tensor = gathered.movedim(0, dim)
+    return result
 
 
 def global_num_seqs(
@@ -184,3 +226,4 @@ def all_gather_qk_weight_kvallgather(
         return IndexerInputs(q_full, k, w_full)
     k_cp = gather_from_sp_cp(k, tp_group, tnd=True, dim=dim)
     return IndexerInputs(q_full, gather_from_sp_cp(k_cp, cp_group, tnd=False, dim=dim), w_full)
+

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from cpkv._checks import check_int
 from cpkv.attention_plan import CompressedPlan, SegmentPlan, plan_segments
-from cpkv.comm import Group
+from cpkv.comm import BackwardOrder, Group
 from cpkv.layout import compress_cu_seqlens, validate_cu_seqlens
 from cpkv.sharding import contiguous_shard_range
 
@@ -86,17 +86,18 @@ def plan_routes(needed: Tensor, owned: Tensor, rank: int, *, device: torch.devic
 
 class _ExchangeRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, routes: Routes, group: Group) -> Tensor:
+    def forward(ctx: Any, x: Tensor, token: Tensor, routes: Routes, group: Group) -> tuple[Tensor, Tensor]:
         ctx.routes, ctx.group, ctx.rows = routes, group, x.shape[0]
         rows = routes.send_rows.to(x.device)  # no-op when planned on x's device
-        return _all_to_all(x.index_select(0, rows), routes.send_splits, routes.recv_splits, group)
+        received = _all_to_all(x.index_select(0, rows), routes.send_splits, routes.recv_splits, group)
+        return received, token.detach().clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor, Tensor, None, None]:
         routes: Routes = ctx.routes
         back = _all_to_all(grad, routes.recv_splits, routes.send_splits, ctx.group)
         grad_x = grad.new_zeros((ctx.rows, *grad.shape[1:]))
-        return grad_x.index_add_(0, routes.send_rows.to(grad.device), back), None, None
+        return grad_x.index_add_(0, routes.send_rows.to(grad.device), back), grad_token, None, None
 
 
 def _all_to_all(x: Tensor, send_splits: tuple[int, ...], recv_splits: tuple[int, ...], group: Group) -> Tensor:
@@ -105,13 +106,14 @@ def _all_to_all(x: Tensor, send_splits: tuple[int, ...], recv_splits: tuple[int,
     return out
 
 
-def exchange_rows(x: Tensor, routes: Routes, group: Group) -> Tensor:
+def exchange_rows(x: Tensor, routes: Routes, group: Group, *, order: BackwardOrder | None = None) -> Tensor:
     """Send rows of ``x`` along ``routes``; return the received rows (differentiable).
 
     Args:
         x: ``[n, ...]`` this rank's rows (tokens or compressed entries).
         routes: from :class:`NeedPlan`; identical structure on every rank.
         group: the CP group.
+        order: chain this exchange's backward into a :class:`~cpkv.comm.BackwardOrder`.
 
     Returns:
         ``[routes.num_recv, ...]`` received rows in natural order. Backward: the gradient
@@ -119,8 +121,12 @@ def exchange_rows(x: Tensor, routes: Routes, group: Group) -> Tensor:
     """
     if not routes.any_traffic:  # decided from the global plan: every rank skips alike
         return x.new_zeros((0, *x.shape[1:]))
-    received: Tensor = _ExchangeRows.apply(x, routes, group)  # type: ignore[no-untyped-call]
-    return received
+    token = order.token if order is not None else x.new_zeros(())
+    received, token = _ExchangeRows.apply(x, token, routes, group)  # type: ignore[no-untyped-call]
+    if order is not None:
+        order.token = token
+    result: Tensor = received
+    return result
 
 
 @dataclass(frozen=True, eq=False)

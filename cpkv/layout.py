@@ -212,3 +212,43 @@ def token_positions(cu_seqlens: Tensor, start: int, length: int) -> Tensor:
     tokens = torch.arange(start, start + length, device=cu_seqlens.device)
     doc = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
     return tokens - cu_seqlens.long()[doc]
+
+
+class PaddedDocuments(NamedTuple):
+    """A packed batch whose documents were padded at their ends (see :func:`pad_documents`).
+
+    Attributes:
+        x: ``[T_padded, ...]`` the padded tensor (zeros in the padding).
+        cu_seqlens: ``[B + 1]`` leading-zero cu_seqlens of the padded documents.
+        padding: ``[B]`` int64 tokens added to each document.
+        token_index: ``[T]`` int64 row of each original token in ``x`` (take outputs back with
+            ``out.index_select(0, token_index)``).
+    """
+
+    x: Tensor
+    cu_seqlens: Tensor
+    padding: Tensor
+    token_index: Tensor
+
+
+def pad_documents(x: Tensor, cu_seqlens: Tensor, multiple: int) -> PaddedDocuments:
+    """Pad every document of a packed ``[T, ...]`` tensor at its end to a multiple of ``multiple``.
+
+    Causal attention never lets a real token see the padding after it, so outputs of real
+    tokens are unchanged; drop padded rows with ``token_index``. Zero-length documents stay empty.
+
+    Example:
+        >>> padded = pad_documents(torch.ones(7, 1), torch.tensor([0, 5, 7]), 4)
+        >>> padded.cu_seqlens.tolist(), padded.padding.tolist()
+        ([0, 8, 12], [3, 2])
+    """
+    check_int("multiple", multiple, minimum=1)
+    validate_cu_seqlens(cu_seqlens, num_tokens=x.shape[0])
+    lengths = cu_seqlens.long().diff()
+    padding = (-lengths) % multiple
+    new_cu = torch.cat([lengths.new_zeros(1), (lengths + padding).cumsum(0)])
+    doc = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(x.shape[0], device=cu_seqlens.device), right=True)
+    token_index = torch.arange(x.shape[0], device=cu_seqlens.device) - cu_seqlens.long()[doc] + new_cu[doc]
+    padded = x.new_zeros((int(new_cu[-1]), *x.shape[1:]))
+    padded = padded.index_copy(0, token_index.to(x.device), x)
+    return PaddedDocuments(padded, new_cu.to(cu_seqlens.dtype), padding, token_index)

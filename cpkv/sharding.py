@@ -172,3 +172,84 @@ def unshard_contiguous(shards: Sequence[Tensor], *, dim: int = 0) -> Tensor:
     if len(shards) == 0:
         raise ValueError("shards must hold one tensor per CP rank, got none")
     return torch.cat(list(shards), dim=dim)
+
+
+def check_zigzag_tnd_lengths(cu_seqlens: Tensor, cp_size: int) -> None:
+    """Raise ``ValueError`` naming the first document whose length is not a multiple of ``2 * cp_size``.
+
+    Per-document zigzag cuts every document into ``2 * cp_size`` equal chunks; pad the
+    documents first (:func:`pad_documents`).
+    """
+    check_int("cp_size", cp_size, minimum=1)
+    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
+    bad = torch.nonzero(lengths % (2 * cp_size)).flatten()
+    if bad.numel():
+        doc = int(bad[0])
+        raise ValueError(
+            f"per-document zigzag needs every document length divisible by 2*cp_size = {2 * cp_size}:"
+            f" document {doc} (cu_seqlens[{doc}:{doc + 2}] = {cu_seqlens[doc:doc + 2].tolist()}) has length"
+            f" {int(lengths[doc])}; pad the documents with cpkv.pad_documents(x, cu_seqlens, {2 * cp_size})"
+        )
+
+
+def zigzag_tnd_index(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
+    """Packed token indices held by ``cp_rank`` under per-document zigzag TND sharding.
+
+    Every document is cut into ``2 * cp`` chunks of ``c = len / (2 cp)`` tokens; rank ``r``
+    holds chunks ``r`` and ``2cp-1-r`` of each document, in document order.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` global leading-zero cu_seqlens; every length divisible by ``2 * cp_size``.
+        cp_size, cp_rank: CP group size and this rank.
+
+    Returns:
+        ``[T / cp]`` int64 natural token indices in local order, on ``cu_seqlens.device``.
+
+    Raises:
+        ValueError: a document length not divisible by ``2 * cp_size`` (named), rank out of range.
+
+    Example:
+        >>> zigzag_tnd_index(torch.tensor([0, 8, 12]), 2, 0).tolist()
+        [0, 1, 6, 7, 8, 11]
+    """
+    check_rank("cp_rank", cp_rank, check_int("cp_size", cp_size, minimum=1))
+    check_zigzag_tnd_lengths(cu_seqlens, cp_size)
+    starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.long().diff()
+    chunk = torch.div(lengths, 2 * cp_size, rounding_mode="floor")
+    first, second = zigzag_chunks(cp_size, cp_rank)
+    chunk_starts = torch.stack([starts + first * chunk, starts + second * chunk], 1).flatten()
+    chunk_lens = chunk.repeat_interleave(2)
+    total = int(chunk_lens.sum())
+    owner = torch.repeat_interleave(torch.arange(chunk_lens.numel(), device=cu_seqlens.device), chunk_lens, output_size=total)
+    offsets = torch.arange(total, device=cu_seqlens.device) - (chunk_lens.cumsum(0) - chunk_lens)[owner]
+    return chunk_starts[owner] + offsets
+
+
+def shard_zigzag_tnd(x: Tensor, cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, dim: int = 0) -> Tensor:
+    """This rank's per-document zigzag shard of a packed ``[T, ...]`` tensor (a copy).
+
+    Raises:
+        ValueError: as :func:`zigzag_tnd_index`; ``x.shape[dim] != cu_seqlens[-1]``.
+    """
+    check_tensor("x", x)
+    dim = check_dim("dim", dim, x.ndim)
+    if x.shape[dim] != int(cu_seqlens[-1]):
+        raise ValueError(f"x must hold cu_seqlens[-1] = {int(cu_seqlens[-1])} tokens along dim {dim}, got {x.shape[dim]}")
+    return x.index_select(dim, zigzag_tnd_index(cu_seqlens, cp_size, cp_rank).to(x.device))
+
+
+def zigzag_tnd_gather_index(cu_seqlens: Tensor, cp_size: int) -> Tensor:
+    """``[T]`` int64: the position, in the rank-major all-gather of zigzag-TND shards, of each natural token.
+
+    ``natural = gathered.index_select(0, zigzag_tnd_gather_index(cu_seqlens, cp))``.
+    """
+    order = torch.cat([zigzag_tnd_index(cu_seqlens, cp_size, r) for r in range(cp_size)])
+    return torch.argsort(order)
+
+
+def unshard_zigzag_tnd(shards: Sequence[Tensor], cu_seqlens: Tensor, *, dim: int = 0) -> Tensor:
+    """Inverse of :func:`shard_zigzag_tnd`: the natural packed tensor from all ranks' shards."""
+    if len(shards) == 0:
+        raise ValueError("shards must hold one tensor per CP rank, got none")
+    gathered = torch.cat(list(shards), dim=dim)
+    return gathered.index_select(dim, zigzag_tnd_gather_index(cu_seqlens, len(shards)).to(gathered.device))

@@ -1,7 +1,8 @@
 """CP-equivalence suite: attention_forward on gloo ranks equals the single-process layer.
 
 For every compress mode (NO_COMPRESS with a window and dense causal, COMPRESSOR_ONLY,
-INDEXER, the compressor-None fallback) and for zigzag BSND, at cp 1-4: the local outputs
+INDEXER, the compressor-None fallback), for contiguous TND with both exchange strategies,
+for per-document zigzag TND and for zigzag BSND, at cp 1-4: the local outputs
 and input gradients concatenated over ranks, and every parameter gradient summed over
 ranks (what CP gradient reduction does), match the dense single-process oracle
 ``V4Attention.reference_forward`` on the whole batch.
@@ -20,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from cpkv.attention_plan import plan_attention, plan_attention_bsnd
+from cpkv.attention_plan import plan_attention, plan_attention_bsnd, plan_attention_zigzag_tnd
 from cpkv.launch import spawn
 from cpkv.layout import seqlens_to_cu_seqlens
-from cpkv.sharding import shard_contiguous, shard_zigzag
+from cpkv.sharding import shard_contiguous, shard_zigzag, shard_zigzag_tnd, unshard_zigzag_tnd
 from cpkv.v4 import V4Attention, V4Config
 
 # 144 tokens (divisible by cp 1-4): zero-length documents, documents shorter than one
@@ -39,8 +40,15 @@ CASES: dict[str, tuple[V4Config, list[int]]] = {
     "compressor": (V4Config(compress_ratio=8), LENGTHS),
     "indexer": (V4Config(compress_ratio=4, topk=4), LENGTHS),
     "fallback": (V4Config(compress_ratio=16), SHORT_LENGTHS),
+    # Some ranks have compressed entries, others none: every rank must still run the same
+    # backward collectives (a regression test of a hang/garbage exchange).
+    "mixed": (V4Config(compress_ratio=32), [48] + [2] * 48),
 }
 BSND_CASES = ["window", "compressor", "indexer"]
+# Per-document zigzag needs lengths divisible by 2*cp for cp 1-4: multiples of 24.
+ZIGZAG_LENGTHS = {"window": [48, 0, 24, 72], "dense": [48, 0, 24, 72], "compressor": [48, 0, 24, 72],
+                  "indexer": [48, 0, 24, 72], "fallback": [24, 24, 0, 24],
+                  "mixed": [48, 24, 24, 24, 24]}
 EXCHANGES = ["allgather", "need"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -86,6 +94,19 @@ def _bsnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
 
+def _zigzag_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str, Any]:
+    config = CASES[name][0]
+    cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS[name])
+    x, grad_out = _inputs(int(cu[-1]), dtype)
+    layer = _layer(config, dtype)
+    ratios = [config.compress_ratio] if config.mode.compresses else []
+    plan = plan_attention_zigzag_tnd(cu, world, rank, compress_ratios=ratios)
+    x_local = shard_zigzag_tnd(x, cu, world, rank).clone().requires_grad_(True)
+    result = layer.forward_zigzag_tnd(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE)
+    result.out.backward(shard_zigzag_tnd(grad_out, cu, world, rank))
+    return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
+
+
 def _all_cases(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for dtype_name, dtype in DTYPES.items():
@@ -94,13 +115,16 @@ def _all_cases(rank: int, world: int) -> dict[str, Any]:
                 results[f"tnd/{name}/{dtype_name}/{exchange}"] = _tnd_case(rank, world, name, dtype, exchange)
         for name in BSND_CASES:
             results[f"bsnd/{name}/{dtype_name}"] = _bsnd_case(rank, world, name, dtype)
+        for name in CASES:
+            results[f"zigzag/{name}/{dtype_name}"] = _zigzag_case(rank, world, name, dtype)
     return results
 
 
 def _reference(layout: str, name: str, dtype: torch.dtype) -> dict[str, Any]:
     """Single-process run on the whole batch (BSND as B equal documents)."""
     config, lengths = CASES[name]
-    cu = seqlens_to_cu_seqlens(lengths if layout == "tnd" else [BSND_SEQ] * BSND_BATCH)
+    lengths = {"tnd": lengths, "zigzag": ZIGZAG_LENGTHS[name]}.get(layout, [BSND_SEQ] * BSND_BATCH)
+    cu = seqlens_to_cu_seqlens(lengths)
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
     x = x.clone().requires_grad_(True)
@@ -109,11 +133,15 @@ def _reference(layout: str, name: str, dtype: torch.dtype) -> dict[str, Any]:
     return {"out": result.out.detach(), "grad_x": x.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
 
-def _combine(layout: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def _combine(layout: str, name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Concatenate outputs/input grads in natural order; sum parameter grads over ranks."""
     if layout == "tnd":
         out = torch.cat([r["out"] for r in per_rank])
         grad_x = torch.cat([r["grad_x"] for r in per_rank])
+    elif layout == "zigzag":
+        cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS[name])
+        out = unshard_zigzag_tnd([r["out"] for r in per_rank], cu)
+        grad_x = unshard_zigzag_tnd([r["grad_x"] for r in per_rank], cu)
     else:
         from cpkv.sharding import unshard_zigzag
 
@@ -144,10 +172,12 @@ def cp_run(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
     world: int = request.param
     per_rank = spawn(_all_cases, world, timeout=240.0)
     keys = per_rank[0].keys()
-    return world, {k: _combine(k.split("/")[0], [r[k] for r in per_rank]) for k in keys}
+    return world, {k: _combine(k.split("/")[0], k.split("/")[1], [r[k] for r in per_rank]) for k in keys}
 
 
-CASE_IDS = [f"tnd/{n}/{e}" for n in CASES for e in EXCHANGES] + [f"bsnd/{n}" for n in BSND_CASES]
+CASE_IDS = (
+    [f"tnd/{n}/{e}" for n in CASES for e in EXCHANGES] + [f"bsnd/{n}" for n in BSND_CASES] + [f"zigzag/{n}" for n in CASES]
+)
 
 
 def _key(case: str, dtype: str) -> str:

@@ -88,3 +88,26 @@ def test_plan_errors_name_arguments() -> None:
         plan_segments(torch.tensor([0, 4]), torch.tensor([0, 4]), compress_ratios=[1])
     with pytest.raises(ValueError, match="not planned"):
         plan_segments(torch.tensor([0, 4]), torch.tensor([0, 4])).compressed_for(4)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_tnd_plan_reads_each_chunk_prefix(cp: int) -> None:
+    from cpkv.attention_plan import plan_attention_zigzag_tnd
+    from cpkv.sharding import zigzag_tnd_gather_index, zigzag_tnd_index
+
+    lengths = [24, 0, 48]
+    cu = seqlens_to_cu_seqlens(lengths)
+    natural_of_gathered = torch.argsort(zigzag_tnd_gather_index(cu, cp))
+    for rank in range(cp):
+        plan = plan_attention_zigzag_tnd(cu, cp, rank, compress_ratios=[4])
+        seg = plan.segments
+        local = zigzag_tnd_index(cu, cp, rank)
+        starts = torch.tensor([0, 0, 24, 24])  # document start of each segment (empty doc skipped)
+        # Positions are document positions of the local tokens; kv rows are the causal prefixes.
+        assert torch.equal(seg.q_positions, local - starts.repeat_interleave(seg.cu_seqlens_q.diff().long()))
+        kv_natural = natural_of_gathered[plan.kv_rows]
+        cu_kv = seg.cu_seqlens_kv.tolist()
+        for b in range(len(cu_kv) - 1):
+            rows = kv_natural[cu_kv[b] : cu_kv[b + 1]].tolist()
+            assert rows == list(range(int(starts[b]), int(starts[b]) + len(rows)))
+        assert plan.num_global_queries == 72

@@ -62,3 +62,36 @@ def test_contiguous_round_trip(cp: int) -> None:
     assert all(s._base is x for s in shards if cp > 1)  # views, no copy
     assert torch.equal(unshard_contiguous(shards), x)
     assert contiguous_shard_range(6 * cp, cp, cp - 1) == (6 * (cp - 1), 6)
+
+
+def test_zigzag_tnd_literal_and_round_trip() -> None:
+    from cpkv.sharding import shard_zigzag_tnd, unshard_zigzag_tnd, zigzag_tnd_index
+
+    cu = torch.tensor([0, 8, 8, 12])  # documents of 8, 0 and 4 tokens, cp 2: chunks of 2 and 1
+    assert zigzag_tnd_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert zigzag_tnd_index(cu, 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+    for cp in (1, 2, 3, 4):
+        lengths = [24, 0, 48, 72]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        x = torch.randn(sum(lengths), 3)
+        shards = [shard_zigzag_tnd(x, cu, cp, r) for r in range(cp)]
+        assert all(s.shape[0] == sum(lengths) // cp for s in shards)
+        assert torch.equal(unshard_zigzag_tnd(shards, cu), x)
+
+
+def test_zigzag_tnd_error_names_the_document() -> None:
+    from cpkv.sharding import zigzag_tnd_index
+
+    with pytest.raises(ValueError, match=r"document 1 .* has length 6"):
+        zigzag_tnd_index(torch.tensor([0, 8, 14, 22]), 2, 0)
+
+
+def test_pad_documents_keeps_tokens_and_reports_padding() -> None:
+    from cpkv.layout import pad_documents
+
+    x = torch.arange(1.0, 11.0)[:, None]
+    padded = pad_documents(x, torch.tensor([0, 5, 5, 10]), 4)
+    assert padded.cu_seqlens.tolist() == [0, 8, 8, 16]
+    assert padded.padding.tolist() == [3, 0, 3]
+    assert torch.equal(padded.x.index_select(0, padded.token_index), x)
+    assert float(padded.x.sum()) == float(x.sum())  # padding is zeros

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.planning import planning_times, random_documents
 from cpkv.bench.traffic import Dims, layer_traffic, lognormal_cu_seqlens
 from cpkv.bench.walltime import wall_times
@@ -49,12 +50,49 @@ def traffic_table(tokens_per_rank: int, cps: list[int], ratios: list[int], mean_
     return rows
 
 
+def balance_table(tokens_per_rank: int, cps: list[int], mean_doc: int) -> list[dict[str, object]]:
+    """Causal work per rank (max/mean) for contiguous vs per-document zigzag TND."""
+    rows: list[dict[str, object]] = []
+    for scenario in ("one document", "log-normal docs"):
+        for cp in cps:
+            total = tokens_per_rank * cp
+            cu = torch.tensor([0, total]) if scenario == "one document" else lognormal_cu_seqlens(total, mean_doc, seed=cp)
+            padded, pad = pad_for_zigzag(cu, cp)
+            work = rank_work(padded, cp)
+            row: dict[str, object] = {"scenario": scenario, "cp": cp, "padding": pad, "tokens": int(padded[-1])}
+            for key, values in work.items():
+                row[f"{key}_max"], row[f"{key}_mean"] = max(values), sum(values) / cp
+            rows.append(row)
+    return rows
+
+
 def _mib(value: object) -> str:
     return f"{float(str(value)) / 2**20:,.2f}"
 
 
+def _balance_lines(balance: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "", "## Load balance: causal attention work per rank", "",
+        f"Score elements per rank (causal, no window) from the real plans, {args.tokens_per_rank:,} tokens per rank;"
+        " documents padded to multiples of `2*cp` for zigzag (the same padded batch for both)."
+        " `kv rows` is what the kernel reads: the contiguous prefix, or zigzag's duplicated prefixes"
+        " (two kernel segments per document, the shorter prefix read twice).", "",
+        "| scenario | cp | padding tokens | contiguous max/mean | zigzag max/mean | zigzag max / contiguous max |"
+        " kv rows max: contiguous / zigzag |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in balance:
+        c_max, c_mean = float(str(row["contiguous_max"])), float(str(row["contiguous_mean"]))
+        z_max, z_mean = float(str(row["zigzag_max"])), float(str(row["zigzag_mean"]))
+        lines.append(
+            f"| {row['scenario']} | {row['cp']} | {row['padding']} | {c_max / c_mean:.3f} | {z_max / z_mean:.3f} |"
+            f" {z_max / c_max:.3f} | {int(str(row['contiguous_kv_max'])):,} / {int(str(row['zigzag_kv_max'])):,} |"
+        )
+    return lines
+
+
 def render(traffic: list[dict[str, object]], planning: tuple[float, float, float], walls: dict[str, float],
-           args: argparse.Namespace) -> str:
+           args: argparse.Namespace, balance: list[dict[str, object]] | None = None) -> str:
     """The markdown report."""
     lines = [
         "# Benchmarks", "",
@@ -80,6 +118,7 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
             f" <= {target:.2e} ({verdict if row['cp'] == 8 else 'cp 8 only'}) |"
             f" {_mib(row['allgather_copied'])} / {_mib(row['need_copied'])} |"
         )
+    lines += _balance_lines(balance or [], args) if balance else []
     vec, host_loop, tensor_loop = planning
     lines += [
         "", "## Planning time", "",
@@ -162,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         cu = lognormal_cu_seqlens(args.wall_tokens, max(args.wall_tokens // 8, 1), seed=1)
         cu[-1] += -int(cu[-1]) % args.wall_cp
         walls = wall_times(cu, args.wall_cp, args.ratios)
-    report = render(traffic, planning, walls, args)
+    print("load balance ...", file=sys.stderr)
+    balance = balance_table(args.tokens_per_rank, sorted({2, 3, 4, 8} | set(args.cps)), args.mean_doc)
+    report = render(traffic, planning, walls, args, balance)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"

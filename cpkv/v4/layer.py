@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from cpkv.attention import AttentionSpec, attention_forward, attention_forward_bsnd
-from cpkv.attention_plan import AttentionPlan, BSNDPlan
+from cpkv.attention import AttentionSpec, attention_forward, attention_forward_bsnd, attention_forward_zigzag_tnd
+from cpkv.attention_plan import AttentionPlan, BSNDPlan, ZigzagTNDPlan
 from cpkv.backends import AttentionBackend
 from cpkv.comm import Group
 from cpkv.compress_mode import LayerCompressMode
@@ -110,6 +110,19 @@ class V4Attention(nn.Module):
             q, kv, cu_seqlens, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
             compressor=self.compressor, indexer=self.indexer, plan=plan, backend=backend,
             ring_degree=ring_degree, grad_scale=grad_scale, exchange=exchange,
+        )
+        out: Tensor = self.wo(result.out.flatten(1))
+        return LayerOutput(out, result.indexer_loss)
+
+    def forward_zigzag_tnd(
+        self, x: Tensor, cu_seqlens: Tensor, group: Group, *, plan: ZigzagTNDPlan,
+        backend: str | AttentionBackend = "reference", grad_scale: float = 1.0,
+    ) -> LayerOutput:
+        """The layer on this rank's per-document zigzag TND shard ``x`` ``[T/cp, hidden]``."""
+        q, kv = self.project(x, plan.segments.q_positions)
+        result = attention_forward_zigzag_tnd(
+            q, kv, cu_seqlens, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
+            compressor=self.compressor, indexer=self.indexer, plan=plan, backend=backend, grad_scale=grad_scale,
         )
         out: Tensor = self.wo(result.out.flatten(1))
         return LayerOutput(out, result.indexer_loss)
