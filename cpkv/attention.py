@@ -34,11 +34,12 @@ from cpkv.attention_plan import (
 )
 from cpkv.backends import AttentionBackend, get_backend
 from cpkv.comm import BackwardOrder, Group, gather_from_sp_cp
-from cpkv.exchange import NeedPlan, exchange_rows
+from cpkv.exchange import NeedPlan, exchange_rows, start_exchange
 from cpkv.compress_mode import LayerCompressMode
-from cpkv.indexer_loss import IndexerLossConfig
+from cpkv.indexer_loss import IndexerLossConfig, attach_indexer_loss
 from cpkv.layout import validate_cu_seqlens
 from cpkv.plan import rearrange_prefix_kv
+from cpkv.ring import merge_partials, ring_rounds, selected_probs
 
 
 EXCHANGES = ("allgather", "need")
@@ -269,7 +270,9 @@ def attention_forward(
         backend: ``"reference"``, ``"cuda"``, ``"npu"``, ``"auto"`` (by ``q.device``) or an
             :class:`AttentionBackend` instance (create it once per model so that fallback
             warnings appear once).
-        ring_degree: 1 (all-gather in one round); larger values are not implemented yet.
+        ring_degree: ``R > 1`` (with ``exchange="need"`` and a plan made with the same
+            ``ring_degree``) receives the remote prefix kv in ``R`` rounds overlapped with
+            attention and merges the partial results exactly (:mod:`cpkv.ring`).
         grad_scale: multiplies the indexer-loss gradients (kept per call in autograd ctx).
         exchange: ``"allgather"`` (every rank gathers all kv and compressor inputs and
             recompresses its whole prefix, as MindSpeed does) or ``"need"`` (only the rows
@@ -286,17 +289,17 @@ def attention_forward(
         ValueError, TypeError: bad shapes, inconsistent spec/modules/plan, ``T % cp != 0``,
             ``ring_degree != 1``; raised on every rank before any collective.
     """
-    if check_int("ring_degree", ring_degree, minimum=1) != 1:
-        raise ValueError(f"ring_degree={ring_degree}: only 1 (one all-gather round) is implemented so far")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if check_int("ring_degree", ring_degree, minimum=1) != 1 and exchange != "need":
+        raise ValueError(f"ring_degree={ring_degree} splits the need-based exchange: pass exchange='need'")
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     validate_cu_seqlens(cu_seqlens)
     ratios = [spec.compress_ratio] if spec.mode.compresses else []
     if plan is None:
         plan = plan_attention(
             cu_seqlens, cp_size, cp_rank, compress_ratios=ratios,
-            need_windows=[spec.window] if exchange == "need" else None,
+            need_windows=[spec.window] if exchange == "need" else None, ring_degree=ring_degree,
         )
     elif (plan.cp_size, plan.cp_rank, plan.prefix.num_tokens) != (cp_size, cp_rank, int(cu_seqlens[-1])):
         raise ValueError(
@@ -305,8 +308,16 @@ def attention_forward(
         )
     _check_inputs(q, kv, hidden, spec, plan.prefix.local_len, compressor, indexer)
     kv_offset, varlen_segments, order = 0, None, BackwardOrder(q.device)
+    ops = get_backend(backend, q.device)
+    if ring_degree > 1:
+        need = _need_plan(plan, spec, ring_degree)
+        compressed, tensors = _compress_exchanged(
+            need, plan.segments, spec, hidden, kv.shape[-1], kv.dtype, compressor, indexer, group, order
+        )
+        result = _ring_forward(q, kv, plan, need, spec, ops, sinks, compressed, tensors, group, order, grad_scale)
+        return result._replace(out=order.attach(result.out))
     if exchange == "need":
-        need = _need_plan(plan, spec)
+        need = _need_plan(plan, spec, 1)
         kv_buffer = torch.cat([exchange_rows(kv, need.kv[spec.window], group, order=order), kv])
         kv_offset, varlen_segments = need.kv_offset[spec.window], need.window_segments[spec.window]
         compressed, tensors = _compress_exchanged(
@@ -319,14 +330,14 @@ def attention_forward(
             hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan.prefix)
         compressed, tensors = _compress_gathered(plan.segments, spec, hidden, hidden_prefix, compressor, indexer)
     result = attend_prefix(
-        q, kv_buffer, plan.segments, spec=spec, backend=get_backend(backend, q.device), sinks=sinks, compressed=compressed,
+        q, kv_buffer, plan.segments, spec=spec, backend=ops, sinks=sinks, compressed=compressed,
         indexer_tensors=tensors, kv_offset=kv_offset, varlen_segments=varlen_segments, grad_scale=grad_scale,
         num_global_queries=plan.num_global_queries,
     )
     return result._replace(out=order.attach(result.out))
 
 
-def _need_plan(plan: AttentionPlan, spec: AttentionSpec) -> NeedPlan:
+def _need_plan(plan: AttentionPlan, spec: AttentionSpec, ring_degree: int) -> NeedPlan:
     """The plan's need-based routes for this layer, or a ``ValueError`` saying what to plan."""
     need = plan.need
     if need is None or spec.window not in need.kv or (spec.mode.compresses and spec.compress_ratio not in need.compressed):
@@ -334,7 +345,54 @@ def _need_plan(plan: AttentionPlan, spec: AttentionSpec) -> NeedPlan:
             f"exchange='need' needs a plan made with need_windows containing {spec.window} and"
             f" compress_ratios containing {spec.compress_ratio}: plan_attention(..., need_windows=[...])"
         )
+    planned = len(need.kv_rounds[spec.window]) or 1
+    if planned != ring_degree:
+        raise ValueError(f"ring_degree={ring_degree} but the plan has {planned} round(s): plan_attention(..., ring_degree=...)")
     return need
+
+
+def _ring_forward(
+    q: Tensor, kv: Tensor, plan: AttentionPlan, need: NeedPlan, spec: AttentionSpec, backend: AttentionBackend,
+    sinks: Tensor | None, compressed: Tensor | None, tensors: IndexerTensors | None, group: Group,
+    order: BackwardOrder, grad_scale: float,
+) -> AttentionOutput:
+    """Local partial (own rows, compressed entries) + remote rounds, merged by LSE (:mod:`cpkv.ring`)."""
+    if backend.name == "npu":
+        raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; use 1")
+    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
+    pending = start_exchange(kv, need.kv_rounds[spec.window][0].routes, group)  # overlaps the local partial
+    segments, mode = plan.segments, spec.mode
+    kv_all, selected, indices = kv, None, None
+    if compressed is None or spec.window is None or not mode.compresses:
+        local = backend.varlen_attention(
+            q, kv[:, None], kv[:, None, : spec.d_v], need.local_segments, scale=scale, window=spec.window, sinks=None
+        )
+        ratio = 1
+    else:
+        cmp_plan = segments.compressed_for(spec.compress_ratio)
+        kv_all = torch.cat([kv, compressed.to(kv.dtype)])
+        rows = segments.window_indices(spec.window) - need.local_offset
+        rows = torch.where(rows >= 0, rows, -1)  # earlier rows come from the remote rounds
+        if mode is LayerCompressMode.INDEXER and tensors is not None:
+            with torch.no_grad():
+                selected = backend.indexer_topk(
+                    tensors.q_index, tensors.k_index, tensors.weights, segments, cmp_plan, topk=spec.topk
+                )
+            indices = torch.where(selected >= 0, selected + kv.shape[0], -1)
+        else:
+            indices = cmp_plan.visible_indices(offset=kv.shape[0])
+        local = backend.sparse_attention(q, kv_all, torch.cat([rows, indices], 1), segments, d_v=spec.d_v, scale=scale, sinks=None)
+        ratio = spec.compress_ratio
+    remote, _peak = ring_rounds(q, kv, plan, need, group, order, pending, window=spec.window, d_v=spec.d_v, scale=scale)
+    merged = merge_partials([local, *remote], sinks)
+    if selected is None or indices is None or tensors is None:
+        return AttentionOutput(merged.out, None, ratio)
+    config = IndexerLossConfig(
+        d_v=spec.d_v, scale=scale, num_window=0, grad_scale=grad_scale, num_global_queries=plan.num_global_queries
+    )
+    probs = selected_probs(q, kv_all, indices, merged.lse, scale)
+    res = attach_indexer_loss(merged.out, tensors.q_index, tensors.k_index, tensors.weights, selected, probs, config=config)
+    return AttentionOutput(res.out, res.loss, ratio)
 
 
 def attention_forward_bsnd(

@@ -201,7 +201,7 @@ class AttentionPlan:
 
 def plan_attention(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, compress_ratios: Sequence[int] = (),
-    need_windows: Sequence[int | None] | None = None,
+    need_windows: Sequence[int | None] | None = None, ring_degree: int = 1,
 ) -> AttentionPlan:
     """Pure per-rank plan for contiguous TND sharding (no communication).
 
@@ -214,6 +214,7 @@ def plan_attention(
         compress_ratios: ratios ``> 1`` the layers of this micro-batch use.
         need_windows: to also plan the need-based exchange (``exchange="need"``), the
             sliding windows of the layers (``None`` in the list: dense causal layers).
+        ring_degree: rounds of the kv exchange (``R > 1`` needs ``need_windows``).
 
     Example:
         >>> plan = plan_attention(torch.tensor([0, 5, 12, 16]), 2, 1, compress_ratios=[4])
@@ -228,7 +229,11 @@ def plan_attention(
     if need_windows is not None:
         from cpkv.exchange import plan_need_exchange  # exchange builds on this module
 
-        need = plan_need_exchange(cu_seqlens, cp_size, cp_rank, windows=need_windows, compress_ratios=compress_ratios)
+        need = plan_need_exchange(
+            cu_seqlens, cp_size, cp_rank, windows=need_windows, compress_ratios=compress_ratios, ring_degree=ring_degree
+        )
+    elif ring_degree != 1:
+        raise ValueError(f"ring_degree={ring_degree} needs the need-based plan: pass need_windows=[...]")
     return AttentionPlan(prefix, segments, int(cu_seqlens[-1]), cp_size, cp_rank, need)
 
 

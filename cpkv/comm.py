@@ -64,7 +64,9 @@ class BackwardOrder:
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
-        self.token = torch.zeros((), device=device)
+        # The first token requires grad, so every chained collective is recorded by autograd
+        # even where its own input does not require grad (a rank with nothing to send).
+        self.token = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
 
     def attach(self, out: Tensor) -> Tensor:
         """``out`` unchanged; its backward first runs the chain of collectives."""

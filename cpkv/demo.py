@@ -72,7 +72,7 @@ def _cp(config: V4Config, x: torch.Tensor, g: torch.Tensor, cu: torch.Tensor, ar
     """This rank's shard of the same under CP; parameter gradients summed over ranks."""
     layer = V4Attention(config, seed=args.seed).to(x.device, x.dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window])
+    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window], ring_degree=args.ring_degree)
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
     with count_bytes() as counter:
         start = time.perf_counter()
@@ -113,7 +113,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, device_name: str
     for i, name in enumerate(names):
         if rank == 0:
             print(f"[{i + 1}/{len(names)}] {name}: cp={world} tokens={args.tokens} dtype={args.dtype}"
-                  f" exchange={args.exchange} ...", flush=True)
+                  f" exchange={args.exchange} ring_degree={args.ring_degree} ...", flush=True)
         summary = _errors(MODES[name], args, rank, world, device)
         values = torch.tensor(list(summary.values()), dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["all", *MODES], default="all")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ring-degree", type=int, default=1, help="prefix exchange rounds (only 1 so far)")
+    parser.add_argument("--ring-degree", type=int, default=1,
+                        help="rounds of the need-based kv exchange, overlapped with attention (cpkv.ring)")
     parser.add_argument("--exchange", choices=["allgather", "need"], default="need",
                         help="move every rank's tokens (allgather) or only what each rank needs (need)")
     parser.add_argument("--backend", default=None, help="torch.distributed backend under torchrun (default gloo)")
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
     if args.tokens % world != 0:
         parser.error(f"--tokens ({args.tokens}) must be divisible by the number of ranks ({world})")
-    if args.ring_degree != 1:
-        parser.error(f"--ring-degree {args.ring_degree}: only 1 (one all-gather round) is implemented so far")
+    if args.ring_degree < 1 or (args.ring_degree > 1 and args.exchange != "need"):
+        parser.error(f"--ring-degree {args.ring_degree}: needs a value >= 1, and --exchange need for values > 1")
     start = time.perf_counter()
     if torchrun:
         backend = args.backend or "gloo"

@@ -129,6 +129,54 @@ def exchange_rows(x: Tensor, routes: Routes, group: Group, *, order: BackwardOrd
     return result
 
 
+class PendingRows:
+    """An exchange started with :func:`start_exchange`; :meth:`wait` returns the rows."""
+
+    def __init__(self, x: Tensor, routes: Routes, group: Group) -> None:
+        self.x, self.routes, self.group = x, routes, group
+        self.buffer = x.new_empty((routes.num_recv, *x.shape[1:]))
+        self.work: Any = None
+        self.send: Tensor | None = None
+        if routes.any_traffic:
+            # Keep the send buffer alive until wait(): the async collective reads it later.
+            self.send = x.detach().index_select(0, routes.send_rows.to(x.device)).contiguous()
+            self.work = dist.all_to_all_single(
+                self.buffer, self.send, list(routes.recv_splits), list(routes.send_splits), group=group, async_op=True,
+            )
+
+    def wait(self, *, order: BackwardOrder | None = None) -> Tensor:
+        """The received rows ``[num_recv, ...]``; differentiable like :func:`exchange_rows`."""
+        if self.work is None:
+            return self.buffer
+        self.work.wait()
+        self.send = None
+        token = order.token if order is not None else self.x.new_zeros(())
+        received, token = _ReceivedRows.apply(self.x, token, self.buffer, self.routes, self.group)  # type: ignore[no-untyped-call]
+        if order is not None:
+            order.token = token
+        result: Tensor = received
+        return result
+
+
+class _ReceivedRows(torch.autograd.Function):
+    """Identity on rows already received; backward sends their gradient back (as _ExchangeRows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, token: Tensor, buffer: Tensor, routes: Routes, group: Group) -> tuple[Tensor, Tensor]:
+        ctx.routes, ctx.group, ctx.rows = routes, group, x.shape[0]
+        return buffer.view_as(buffer), token.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+        grad_x, grad_token, _, _ = _ExchangeRows.backward(ctx, grad, grad_token)
+        return grad_x, grad_token, None, None, None
+
+
+def start_exchange(x: Tensor, routes: Routes, group: Group) -> PendingRows:
+    """Start :func:`exchange_rows` asynchronously (to overlap it with computation)."""
+    return PendingRows(x, routes, group)
+
+
 @dataclass(frozen=True, eq=False)
 class CompressedExchange:
     """Need-based plan of one compress ratio.
@@ -148,6 +196,20 @@ class CompressedExchange:
 
 
 @dataclass(frozen=True, eq=False)
+class RingPart:
+    """One round of a ring exchange: which rows move, and which global tokens this rank gets.
+
+    Attributes:
+        routes: the rows to exchange in this round.
+        start, stop: the global token range ``[start, stop)`` this rank receives (may be empty).
+    """
+
+    routes: Routes
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, eq=False)
 class NeedPlan:
     """Routes of the need-based exchange for one rank (see the module docstring).
 
@@ -158,12 +220,20 @@ class NeedPlan:
         window_segments: per window, the segments over the truncated buffer (kv segment
             lengths shortened by ``kv_offset`` at the front) for varlen kernels.
         compressed: one :class:`CompressedExchange` per compress ratio.
+        kv_rounds: per window, the ``ring_degree`` rounds that split the exchanged kv rows
+            (empty without a ring); the rounds partition ``[a_r - num_recv, a_r)`` in order.
+        local_segments: the segments over the rank's own kv rows only (the first document
+            cut at ``a_r``), for the local part of a ring.
+        local_offset: prefix rows before the rank's own rows (``a_r - kv_start``).
     """
 
     kv: Mapping[int | None, Routes]
     kv_offset: Mapping[int | None, int]
     window_segments: Mapping[int | None, SegmentPlan]
     compressed: Mapping[int, CompressedExchange]
+    kv_rounds: Mapping[int | None, tuple[RingPart, ...]]
+    local_segments: SegmentPlan
+    local_offset: int
 
 
 def _entries_before(cu: Tensor, bounds: Tensor, ratio: int) -> Tensor:
@@ -215,9 +285,21 @@ def _halo_lo(cu: Tensor, local_len: int, cp_size: int, rank: int, ratio: int) ->
     return min(a_r, start + (j0 - prev) * ratio)
 
 
+def _ring_parts(lo: Tensor, owned: Tensor, rank: int, ring_degree: int, device: torch.device) -> tuple[RingPart, ...]:
+    """Split every rank's needed range ``[lo, a)`` into ``ring_degree`` consecutive parts."""
+    a = owned[:, 0]
+    cuts = [lo + (a - lo) * i // ring_degree for i in range(ring_degree + 1)]
+    parts = []
+    for i in range(ring_degree):
+        needed = torch.stack([cuts[i], cuts[i + 1]], 1)
+        routes = plan_routes(needed, owned, rank, device=device)
+        parts.append(RingPart(routes, int(cuts[i][rank]), int(cuts[i + 1][rank])))
+    return tuple(parts)
+
+
 def plan_need_exchange(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, windows: Sequence[int | None] = (None,),
-    compress_ratios: Sequence[int] = (),
+    compress_ratios: Sequence[int] = (), ring_degree: int = 1,
 ) -> NeedPlan:
     """Pure need-based exchange plan of one rank (no communication).
 
@@ -227,6 +309,8 @@ def plan_need_exchange(
         windows: the sliding windows of the layers (``None``: dense causal).
         compress_ratios: the compress ratios ``> 1`` of the layers (ratio 4 uses the
             overlapping compressor, as in DeepSeek-V4).
+        ring_degree: ``R > 1`` also plans ``R`` rounds that split each window's kv exchange
+            (:mod:`cpkv.ring`).
 
     Raises:
         ValueError: invalid cu_seqlens, ``T % cp_size != 0``, rank out of range, window < 1.
@@ -239,16 +323,25 @@ def plan_need_exchange(
     owned = torch.stack([bounds[:-1], bounds[1:]], 1)
     first_doc = torch.searchsorted(cu[1:], bounds[:-1], right=True).clamp(max=max(cu.numel() - 2, 0))
     kv_start = torch.minimum(cu[first_doc], bounds[:-1]) if cu.numel() > 1 else bounds[:-1]
-    kv, offsets, segments = {}, {}, {}
+    check_int("ring_degree", ring_degree, minimum=1)
+    kv, offsets, segments, rounds = {}, {}, {}, {}
     from cpkv.plan import compute_prefix_kv_cu_seqlens
 
     prefix = compute_prefix_kv_cu_seqlens(cu, a_r, local_len)
     for window in dict.fromkeys(windows):
         lo = kv_start if window is None else torch.maximum(kv_start, bounds[:-1] - check_int("window", window, minimum=1) + 1)
         kv[window] = plan_routes(torch.stack([lo, bounds[:-1]], 1), owned, cp_rank, device=device)
+        rounds[window] = _ring_parts(lo, owned, cp_rank, ring_degree, device) if ring_degree > 1 else ()
         offsets[window] = int(lo[cp_rank]) - prefix.kv_start
         cu_kv = prefix.cu_seqlens_kv.long() - offsets[window]
         cu_kv[0] = 0
         segments[window] = plan_segments(prefix.cu_seqlens_q.to(device), cu_kv.to(device))
     compressed = {r: _compressed_exchange(cu, local_len, cp_size, cp_rank, r, device) for r in dict.fromkeys(compress_ratios)}
-    return NeedPlan(MappingProxyType(kv), MappingProxyType(offsets), MappingProxyType(segments), MappingProxyType(compressed))
+    local_offset = a_r - prefix.kv_start
+    cu_kv_local = prefix.cu_seqlens_kv.long() - local_offset
+    cu_kv_local[0] = 0
+    local_segments = plan_segments(prefix.cu_seqlens_q.to(device), cu_kv_local.to(device))
+    return NeedPlan(
+        MappingProxyType(kv), MappingProxyType(offsets), MappingProxyType(segments), MappingProxyType(compressed),
+        MappingProxyType(rounds), local_segments, local_offset,
+    )

@@ -167,3 +167,58 @@ def sparse_attention_with_indexer_loss(
         q, kv, sinks, q_index, k_index, weights, indices, selected, config
     )
     return SparseAttentionWithLoss(out, loss)
+
+
+class _AttachIndexerLoss(torch.autograd.Function):
+    """Identity on ``out``; its backward injects the indexer gradients (as the fused op does)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: Tensor, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor,
+        target: Tensor, config: IndexerLossConfig,
+    ) -> tuple[Tensor, Tensor]:
+        scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
+        kl, _ = kl_terms(scores, target, selected >= 0)
+        ctx.save_for_backward(q_index, k_index, weights, selected, target)
+        ctx.config = config
+        loss = kl.sum().float()
+        ctx.mark_non_differentiable(loss)
+        return out.view_as(out), loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        q_index, k_index, weights, selected, target = ctx.saved_tensors
+        config: IndexerLossConfig = ctx.config
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q_index, k_index, weights)]
+        with torch.enable_grad():
+            scores = selected_index_scores(inputs[0], inputs[1], inputs[2], selected, config.block_size)
+        valid = selected >= 0
+        _, pred = kl_terms(scores.detach(), target, valid)
+        grad_scores = torch.where(valid, (pred - target) * (config.grad_scale / config.num_global_queries), 0.0)
+        return (grad_out, *input_grads(scores, list(inputs), grad_scores), None, None, None)
+
+
+def attach_indexer_loss(
+    out: Tensor, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, selected_probs: Tensor,
+    *, config: IndexerLossConfig,
+) -> SparseAttentionWithLoss:
+    """The indexer KL loss for an attention computed elsewhere (e.g. merged from ring rounds).
+
+    Args:
+        out: ``[T, H, d_v]`` the final attention output; returned unchanged, its backward
+            injects ``(softmax(I_t) - p_t) * grad_scale / N`` into the indexer inputs.
+        q_index, k_index, weights, selected: as :func:`sparse_attention_with_indexer_loss`.
+        selected_probs: ``[T, K]`` the attention probabilities of the selected entries summed
+            over heads, with the full denominator (window, entries and sink).
+        config: ``grad_scale``, ``num_global_queries`` and ``block_size`` are used.
+
+    Returns:
+        :class:`SparseAttentionWithLoss` (``out`` unchanged in value, ``loss`` for logging).
+    """
+    valid = selected >= 0
+    picked = torch.where(valid, selected_probs.to(torch.promote_types(q_index.dtype, torch.float32)), 0.0)
+    target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
+    attached, loss = _AttachIndexerLoss.apply(  # type: ignore[no-untyped-call]
+        out, q_index, k_index, weights, selected, target.detach(), config
+    )
+    return SparseAttentionWithLoss(attached, loss)

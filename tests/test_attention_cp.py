@@ -50,6 +50,7 @@ ZIGZAG_LENGTHS = {"window": [48, 0, 24, 72], "dense": [48, 0, 24, 72], "compress
                   "indexer": [48, 0, 24, 72], "fallback": [24, 24, 0, 24],
                   "mixed": [48, 24, 24, 24, 24]}
 EXCHANGES = ["allgather", "need"]
+RINGS = [2, 3, 4]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -68,15 +69,15 @@ def _param_grads(layer: V4Attention) -> dict[str, torch.Tensor | None]:
     return {name: (p.grad.clone() if p.grad is not None else None) for name, p in layer.named_parameters()}
 
 
-def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype, exchange: str) -> dict[str, Any]:
+def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype, exchange: str, ring: int = 1) -> dict[str, Any]:
     config, lengths = CASES[name]
     cu = seqlens_to_cu_seqlens(lengths)
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window])
+    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window], ring_degree=ring)
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-    result = layer(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE, exchange=exchange)
+    result = layer(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE, exchange=exchange, ring_degree=ring)
     result.out.backward(shard_contiguous(grad_out, world, rank))
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
@@ -117,6 +118,9 @@ def _all_cases(rank: int, world: int) -> dict[str, Any]:
             results[f"bsnd/{name}/{dtype_name}"] = _bsnd_case(rank, world, name, dtype)
         for name in CASES:
             results[f"zigzag/{name}/{dtype_name}"] = _zigzag_case(rank, world, name, dtype)
+    for name in CASES:
+        for ring in RINGS:
+            results[f"tnd/{name}/fp32/ring{ring}"] = _tnd_case(rank, world, name, torch.float32, "need", ring)
     return results
 
 
@@ -208,6 +212,19 @@ def test_need_exchange_equals_allgather(cp_run: tuple[int, dict[str, Any]], name
     assert allgather.keys() == need.keys()
     for key in allgather:
         assert _rel_err(need[key], allgather[key]) <= 1e-6, key
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ring", RINGS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_rounds_equal_one_round(cp_run: tuple[int, dict[str, Any]], name: str, ring: int) -> None:
+    """fp32: R rounds merged by LSE equal R = 1 (<= 1e-6 relative), forward and backward."""
+    _world, results = cp_run
+    one, rounds = _flat(results[f"tnd/{name}/fp32/need"]), _flat(results[f"tnd/{name}/fp32/ring{ring}"])
+    assert one.keys() == rounds.keys()
+    for key in one:
+        assert torch.isfinite(rounds[key]).all(), key
+        assert _rel_err(rounds[key], one[key]) <= 1e-6, key
 
 
 @pytest.mark.timeout(300)

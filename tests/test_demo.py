@@ -37,4 +37,10 @@ def test_bad_flags_exit_with_usage_error() -> None:
     with pytest.raises(SystemExit):
         demo.main(["--cp", "3", "--tokens", "100"])
     with pytest.raises(SystemExit):
-        demo.main(["--ring-degree", "2"])
+        demo.main(["--ring-degree", "2", "--exchange", "allgather"])
+
+
+@pytest.mark.timeout(180)
+def test_demo_with_ring_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--cp", "2", "--tokens", "192", "--ring-degree", "3"]) == 0
+    assert "OK: 4 mode(s)" in capsys.readouterr().out

@@ -298,6 +298,43 @@ def varlen_attention(
     return AttentionResult(out, lse)
 
 
+def range_attention(
+    q: Tensor, k: Tensor, v: Tensor, key_lo: Tensor, key_hi: Tensor, *,
+    scale: float | None = None, sinks: Tensor | None = None, block_size: int = 1024,
+) -> AttentionResult:
+    """Attention where query ``t`` sees exactly the keys ``key_lo[t] <= j < key_hi[t]``.
+
+    The building block of ring rounds: a round holds one contiguous part of the prefix, and
+    each query sees a contiguous range of it (all of it, a window's tail, or nothing).
+
+    Args:
+        q: [T_q, H, D]; k: [T_kv, H_kv, D]; v: [T_kv, H_kv, D_v] (as :func:`varlen_attention`).
+        key_lo, key_hi: [T_q] int64, **non-decreasing** over the rows, ``0 <= lo``, ``hi <= T_kv``;
+            ``lo >= hi`` means the row sees nothing (output 0, lse -inf without sink).
+        scale, sinks, block_size: as :func:`varlen_attention`.
+
+    Returns:
+        ``AttentionResult(out, lse)``, differentiable w.r.t. q, k, v, sinks (and through lse).
+
+    Raises:
+        ValueError: shapes, decreasing or out-of-range bounds.
+    """
+    for name, bound in (("key_lo", key_lo), ("key_hi", key_hi)):
+        _check_tensor(name, bound, 1, floating=False)
+        _check_same(f"{name}.shape must match q ([T_q])", tuple(bound.shape), tuple(q.shape[:1]))
+    lo, hi = key_lo.to(q.device, torch.int64), key_hi.to(q.device, torch.int64)
+    hi = torch.maximum(lo, hi)
+    if lo.numel() and (bool((lo.diff() < 0).any()) or bool((hi.diff() < 0).any())):
+        raise ValueError("key_lo and key_hi must be non-decreasing over the query rows")
+    if lo.numel() and (int(lo.min()) < 0 or int(hi.max()) > k.shape[0]):
+        raise ValueError(f"key ranges must lie within [0, T_kv={k.shape[0]}]")
+    _check_positive_int("block_size", block_size)
+    _check_sinks(sinks, q)
+    cfg = _Config(_scale_or_default(scale, q), block_size)
+    out, lse = cast(_Apply, _VarlenAttention.apply)(q, k, v, lo, hi, sinks, cfg)
+    return AttentionResult(out, lse)
+
+
 # --------------------------------------------------------------------------- sparse (shared KV)
 
 

@@ -18,7 +18,7 @@ import torch
 from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.planning import planning_times, random_documents
 from cpkv.bench.traffic import Dims, layer_traffic, lognormal_cu_seqlens
-from cpkv.bench.walltime import wall_times
+from cpkv.bench.walltime import ring_times, wall_times
 
 MODE_NAMES = {0: "NO_COMPRESS (window 128)", 4: "INDEXER (ratio 4)", 128: "COMPRESSOR_ONLY (ratio 128)"}
 TARGETS = {0: 1 / 1000, 4: 1 / 16, 128: 1 / 200}
@@ -92,7 +92,8 @@ def _balance_lines(balance: list[dict[str, object]], args: argparse.Namespace) -
 
 
 def render(traffic: list[dict[str, object]], planning: tuple[float, float, float], walls: dict[str, float],
-           args: argparse.Namespace, balance: list[dict[str, object]] | None = None) -> str:
+           args: argparse.Namespace, balance: list[dict[str, object]] | None = None,
+           rings: dict[str, float] | None = None) -> str:
     """The markdown report."""
     lines = [
         "# Benchmarks", "",
@@ -139,6 +140,19 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
         for ratio in args.ratios:
             a, n = walls[f"{ratio}/allgather"], walls[f"{ratio}/need"]
             lines.append(f"| {MODE_NAMES.get(ratio, ratio)} | {a:.3f} | {n:.3f} | {a / n:.2f}x |")
+    if rings:
+        lines += [
+            "", "## ring_degree: rounds of the kv exchange", "",
+            f"Dense causal V4-style layer (hidden 64, head dim 32, fp32) at cp {args.wall_cp}, {args.wall_tokens:,} tokens"
+            " in long log-normal documents, `exchange=\"need\"`. Peak received kv = rows the ring loop holds at once"
+            " (current part + prefetched next; from the plan's routes, which the bytes test checks against counted"
+            " traffic), busiest rank. Wall time: forward + backward, slowest rank, best of 3.", "",
+            "| ring_degree | peak received kv rows | vs R=1 | fwd+bwd s |", "|---|---|---|---|",
+        ]
+        base = rings["1/peak_rows"] or 1.0
+        for ring in (1, 2, 4):
+            lines.append(f"| {ring} | {int(rings[f'{ring}/peak_rows']):,} | {rings[f'{ring}/peak_rows'] / base:.2f} |"
+                         f" {rings[f'{ring}/seconds']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         cu = lognormal_cu_seqlens(args.wall_tokens, max(args.wall_tokens // 8, 1), seed=1)
         cu[-1] += -int(cu[-1]) % args.wall_cp
         walls = wall_times(cu, args.wall_cp, args.ratios)
+    rings: dict[str, float] = {}
+    if not args.skip_wall:
+        print(f"ring rounds at cp {args.wall_cp} ...", file=sys.stderr)
+        long_docs = lognormal_cu_seqlens(args.wall_tokens, args.wall_tokens // 2, seed=2)
+        long_docs[-1] += -int(long_docs[-1]) % args.wall_cp
+        rings = ring_times(long_docs, args.wall_cp, [1, 2, 4])
     print("load balance ...", file=sys.stderr)
     balance = balance_table(args.tokens_per_rank, sorted({2, 3, 4, 8} | set(args.cps)), args.mean_doc)
-    report = render(traffic, planning, walls, args, balance)
+    report = render(traffic, planning, walls, args, balance, rings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"

@@ -37,3 +37,33 @@ def wall_times(cu: torch.Tensor, cp: int, ratios: list[int], repeats: int = 3) -
     """Best-of-``repeats`` seconds of forward + backward (slowest rank) per ``"ratio/exchange"``."""
     per_rank = spawn(_rank_times, cp, cu, ratios, repeats, timeout=600.0)
     return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+
+
+def _ring_times(rank: int, world: int, cu: torch.Tensor, rings: list[int], repeats: int) -> dict[str, float]:
+    from cpkv.ring import peak_received_rows
+
+    x = torch.randn(int(cu[-1]), 64, generator=torch.Generator().manual_seed(0))
+    layer = V4Attention(V4Config(compress_ratio=0, window=None), seed=0)
+    times: dict[str, float] = {}
+    for ring in rings:
+        plan = plan_attention(cu, world, rank, need_windows=[None], ring_degree=ring)
+        if plan.need is None:
+            raise RuntimeError("plan_attention did not plan the need-based exchange")
+        times[f"{ring}/peak_rows"] = float(peak_received_rows(plan.need, None))
+        best = float("inf")
+        for _ in range(repeats):
+            x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+            dist.barrier()
+            start = time.perf_counter()
+            out = layer(x_local, cu, None, plan=plan, exchange="need", ring_degree=ring).out
+            torch.autograd.backward(out, torch.ones_like(out))
+            dist.barrier()
+            best = min(best, time.perf_counter() - start)
+        times[f"{ring}/seconds"] = best
+    return times
+
+
+def ring_times(cu: torch.Tensor, cp: int, rings: list[int], repeats: int = 3) -> dict[str, float]:
+    """Per ring degree: peak received-kv rows held at once (max over ranks) and wall seconds (slowest rank)."""
+    per_rank = spawn(_ring_times, cp, cu, rings, repeats, timeout=600.0)
+    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
