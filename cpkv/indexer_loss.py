@@ -1,12 +1,13 @@
 """Sparse shared-KV attention with the lightning indexer's KL loss (SEMANTICS section 6).
 
-Like the fused NPU op, one autograd Function returns the attention output and the
-loss value, and its backward produces both the attention gradients and the indexer
-gradients. The indexer gradients are injected with the factor ``grad_scale / N``
-(``N``: query tokens of the whole CP group, ``global_num_seqs``) whatever the
-upstream gradient of the returned loss is, so that summing over CP ranks equals the
-CP = 1 result. ``grad_scale`` and ``N`` travel in ``ctx`` (no class state), so layers
-with different scales, or backward passes on different threads, never mix.
+Like the fused NPU op, the attention's backward also produces the indexer gradients:
+:func:`attach_indexer_loss` wraps the attention output in an identity autograd Function
+whose backward injects ``(softmax(I_t) - p_t) * grad_scale / N`` into the indexer inputs
+(``N``: query tokens of the whole CP group, ``global_num_seqs``), whatever the upstream
+gradient of the returned loss is, so that summing over CP ranks equals the CP = 1 result.
+``grad_scale`` and ``N`` travel in ``ctx`` (no class state), so layers with different
+scales, or backward passes on different threads, never mix. Every backend (reference, NPU,
+ring rounds) uses this one injection.
 
 Target ``p[t]``: the main attention's probabilities of the selected compressed entries
 (window keys, compressed entries and the sink share one denominator), summed over all
@@ -85,47 +86,6 @@ def kl_terms(scores: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor, Ten
     return kl, torch.where(valid, log_pred.exp(), torch.zeros_like(log_pred))
 
 
-class _SparseAttentionIndexerLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, q: Tensor, kv: Tensor, sinks: Tensor | None, q_index: Tensor, k_index: Tensor,
-        weights: Tensor, indices: Tensor, selected: Tensor, config: IndexerLossConfig,
-    ) -> tuple[Tensor, Tensor]:
-        result = sparse_attention(q, kv, indices, d_v=config.d_v, scale=config.scale, sinks=sinks, block_size=config.block_size)
-        probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
-        picked = probs[:, config.num_window :].to(torch.promote_types(q_index.dtype, torch.float32))
-        valid = selected >= 0
-        picked = torch.where(valid, picked, torch.zeros_like(picked))
-        target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
-        scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
-        kl, _ = kl_terms(scores, target, valid)
-        ctx.save_for_backward(q, kv, sinks, q_index, k_index, weights, indices, selected, target)
-        ctx.config = config
-        loss = kl.sum().float()
-        ctx.mark_non_differentiable(loss)
-        return result.out, loss
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        q, kv, sinks, q_index, k_index, weights, indices, selected, target = ctx.saved_tensors
-        config: IndexerLossConfig = ctx.config
-        attn_inputs = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in (q, kv, sinks)]
-        idx_inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q_index, k_index, weights)]
-        with torch.enable_grad():
-            out = sparse_attention(
-                attn_inputs[0], attn_inputs[1], indices, d_v=config.d_v, scale=config.scale,  # type: ignore[arg-type]
-                sinks=attn_inputs[2], block_size=config.block_size,
-            ).out
-            scores = selected_index_scores(idx_inputs[0], idx_inputs[1], idx_inputs[2], selected, config.block_size)
-            valid = selected >= 0
-            _, pred = kl_terms(scores.detach(), target, valid)
-            grad_scores = (pred - target) * (config.grad_scale / config.num_global_queries)
-            grad_scores = torch.where(valid, grad_scores, torch.zeros_like(grad_scores))
-        attn_grads = input_grads(out, attn_inputs, grad_out)
-        idx_grads = input_grads(scores, idx_inputs, grad_scores)
-        return (*attn_grads, *idx_grads, None, None, None)
-
-
 def input_grads(output: Tensor, inputs: list[Tensor | None], grad: Tensor) -> list[Tensor | None]:
     """``d output / d inputs`` contracted with ``grad``; ``None`` for inputs without grad."""
     wanted = [t for t in inputs if t is not None and t.requires_grad]
@@ -163,10 +123,10 @@ def sparse_attention_with_indexer_loss(
         raise ValueError(
             f"indices must be [T, num_window + K] = [T, {config.num_window + selected.shape[1]}], got {tuple(indices.shape)}"
         )
-    out, loss = _SparseAttentionIndexerLoss.apply(  # type: ignore[no-untyped-call]
-        q, kv, sinks, q_index, k_index, weights, indices, selected, config
-    )
-    return SparseAttentionWithLoss(out, loss)
+    result = sparse_attention(q, kv, indices, d_v=config.d_v, scale=config.scale, sinks=sinks, block_size=config.block_size)
+    with torch.no_grad():
+        probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
+    return attach_indexer_loss(result.out, q_index, k_index, weights, selected, probs[:, config.num_window :], config=config)
 
 
 class _AttachIndexerLoss(torch.autograd.Function):

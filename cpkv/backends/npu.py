@@ -59,12 +59,11 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from cpkv.attention_plan import CompressedPlan, SegmentPlan
 from cpkv.backends.reference import AttentionResult, sparse_attention_head_probs
 from cpkv.backends.reference_backend import ReferenceBackend
-from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss, input_grads, kl_terms, selected_index_scores
+from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss, attach_indexer_loss
 
 __all__ = ["FusionChunk", "IndexerCall", "NPUBackend", "fusion_attention_chunks", "indexer_calls", "sparse_kernel_layout"]
 
@@ -168,33 +167,6 @@ def indexer_calls(q_positions: Tensor, q_doc_rows: Tensor, compressed: Compresse
         key_rows = key_rows + torch.arange(total, device=rows.device)
         calls.append(IndexerCall(rows, key_rows, per_batch.cumsum(0).int(), ends.int(), start[rows]))
     return calls
-
-
-class _IndexerGradient(torch.autograd.Function):
-    """Identity on the attention output whose backward also yields the indexer's KL gradients."""
-
-    @staticmethod
-    def forward(  # selected [T, K] int, target [T, K] float (detached)
-        ctx: Any, out: Tensor, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor,
-        target: Tensor, config: IndexerLossConfig,
-    ) -> Tensor:
-        ctx.save_for_backward(q_index, k_index, weights, selected, target)
-        ctx.config = config
-        return out.view_as(out)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q_index, k_index, weights, selected, target = ctx.saved_tensors
-        config: IndexerLossConfig = ctx.config
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q_index, k_index, weights)]
-        with torch.enable_grad():
-            scores = selected_index_scores(leaves[0], leaves[1], leaves[2], selected, config.block_size)
-        valid = selected >= 0
-        _, pred = kl_terms(scores.detach(), target, valid)
-        grad_scores = torch.where(valid, (pred - target) * (config.grad_scale / config.num_global_queries), 0.0)
-        inputs: list[Tensor | None] = list(leaves)
-        return (grad_out, *input_grads(scores, inputs, grad_scores), None, None, None)
 
 
 class NPUBackend:
@@ -379,11 +351,4 @@ class NPUBackend:
         result = self._sparse_call(q, kv, indices, config.d_v, config.scale, sinks)
         with torch.no_grad():
             probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
-            picked = probs[:, config.num_window :].to(torch.promote_types(q_index.dtype, torch.float32))
-            valid = selected >= 0
-            picked = torch.where(valid, picked, torch.zeros_like(picked))
-            target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
-            scores = selected_index_scores(q_index, k_index, weights, selected, config.block_size)
-            kl, _ = kl_terms(scores, target, valid)
-        out = cast(Tensor, _IndexerGradient.apply(result.out, q_index, k_index, weights, selected, target, config))  # type: ignore[no-untyped-call]
-        return SparseAttentionWithLoss(out, kl.sum().float())
+        return attach_indexer_loss(result.out, q_index, k_index, weights, selected, probs[:, config.num_window :], config=config)

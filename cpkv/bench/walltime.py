@@ -13,6 +13,21 @@ from cpkv.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
 
+def _best_seconds(layer: V4Attention, x: torch.Tensor, cu: torch.Tensor, plan: object, world: int, rank: int,
+                  repeats: int, **options: object) -> float:
+    """Best-of-``repeats`` seconds of forward + backward on this rank, ranks aligned by barriers."""
+    best = float("inf")
+    for _ in range(repeats):
+        x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+        dist.barrier()
+        start = time.perf_counter()
+        out = layer(x_local, cu, None, plan=plan, **options).out
+        torch.autograd.backward(out, torch.ones_like(out))
+        dist.barrier()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _rank_times(rank: int, world: int, cu: torch.Tensor, ratios: list[int], repeats: int) -> dict[str, float]:
     times: dict[str, float] = {}
     plan = plan_attention(cu, world, rank, compress_ratios=[r for r in ratios if r > 1], need_windows=[128])
@@ -20,16 +35,7 @@ def _rank_times(rank: int, world: int, cu: torch.Tensor, ratios: list[int], repe
     for ratio in ratios:
         layer = V4Attention(V4Config(compress_ratio=ratio, window=128, topk=64), seed=0)
         for exchange in ("allgather", "need"):
-            best = float("inf")
-            for _ in range(repeats):
-                x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-                dist.barrier()
-                start = time.perf_counter()
-                out = layer(x_local, cu, None, plan=plan, exchange=exchange).out
-                torch.autograd.backward(out, torch.ones_like(out))
-                dist.barrier()
-                best = min(best, time.perf_counter() - start)
-            times[f"{ratio}/{exchange}"] = best
+            times[f"{ratio}/{exchange}"] = _best_seconds(layer, x, cu, plan, world, rank, repeats, exchange=exchange)
     return times
 
 
@@ -50,16 +56,7 @@ def _ring_times(rank: int, world: int, cu: torch.Tensor, rings: list[int], repea
         if plan.need is None:
             raise RuntimeError("plan_attention did not plan the need-based exchange")
         times[f"{ring}/peak_rows"] = float(peak_received_rows(plan.need, None))
-        best = float("inf")
-        for _ in range(repeats):
-            x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-            dist.barrier()
-            start = time.perf_counter()
-            out = layer(x_local, cu, None, plan=plan, exchange="need", ring_degree=ring).out
-            torch.autograd.backward(out, torch.ones_like(out))
-            dist.barrier()
-            best = min(best, time.perf_counter() - start)
-        times[f"{ring}/seconds"] = best
+        times[f"{ring}/seconds"] = _best_seconds(layer, x, cu, plan, world, rank, repeats, exchange="need", ring_degree=ring)
     return times
 
 
