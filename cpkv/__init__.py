@@ -20,9 +20,8 @@ from cpkv.attention import (
     AttentionSpec,
     attend_prefix,
     attention_forward,
-    attention_forward_bsnd,
-    attention_forward_zigzag_tnd,
 )
+from cpkv.attention_zigzag import attention_forward_bsnd, attention_forward_zigzag_tnd
 from cpkv.attention_plan import (
     AttentionPlan,
     BSNDPlan,

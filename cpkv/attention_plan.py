@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from cpkv._checks import check_int
-from cpkv.layout import compress_cu_seqlens, token_positions, validate_cu_seqlens
+from cpkv.layout import compress_cu_seqlens, validate_cu_seqlens
 from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.sharding import check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_chunks, zigzag_tnd_gather_index
 

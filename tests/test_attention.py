@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkv.attention import AttentionSpec, attention_forward, attention_forward_bsnd
+from cpkv.attention import AttentionSpec, attention_forward
+from cpkv.attention_zigzag import attention_forward_bsnd
 from cpkv.attention_plan import plan_attention
 from cpkv.launch import spawn
 from cpkv.v4 import V4Attention, V4Config

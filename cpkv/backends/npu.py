@@ -55,7 +55,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from cpkv.attention import AttentionSpec, attention_forward, attention_forward_bsnd, attention_forward_zigzag_tnd
+from cpkv.attention import AttentionSpec, attention_forward
+from cpkv.attention_zigzag import attention_forward_bsnd, attention_forward_zigzag_tnd
 from cpkv.attention_plan import AttentionPlan, BSNDPlan, ZigzagTNDPlan
 from cpkv.backends import AttentionBackend
 from cpkv.comm import Group
