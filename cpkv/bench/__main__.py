@@ -147,11 +147,12 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
             " in long log-normal documents, `exchange=\"need\"`. Peak received kv = rows the ring loop holds at once"
             " (current part + prefetched next; from the plan's routes, which the bytes test checks against counted"
             " traffic), busiest rank. Wall time: forward + backward, slowest rank, best of 3.", "",
-            "| ring_degree | peak received kv rows | vs R=1 | fwd+bwd s |", "|---|---|---|---|",
+            "| ring_degree | peak received kv rows | peak received kv bytes | vs R=1 | fwd+bwd s |", "|---|---|---|---|---|",
         ]
         base = rings["1/peak_rows"] or 1.0
         for ring in (1, 2, 4):
-            lines.append(f"| {ring} | {int(rings[f'{ring}/peak_rows']):,} | {rings[f'{ring}/peak_rows'] / base:.2f} |"
+            lines.append(f"| {ring} | {int(rings[f'{ring}/peak_rows']):,} | {int(rings[f'{ring}/peak_bytes']):,} |"
+                         f" {rings[f'{ring}/peak_rows'] / base:.2f} |"
                          f" {rings[f'{ring}/seconds']:.3f} |")
     return "\n".join(lines) + "\n"
 

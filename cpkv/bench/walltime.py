@@ -55,7 +55,9 @@ def _ring_times(rank: int, world: int, cu: torch.Tensor, rings: list[int], repea
         plan = plan_attention(cu, world, rank, need_windows=[None], ring_degree=ring)
         if plan.need is None:
             raise RuntimeError("plan_attention did not plan the need-based exchange")
-        times[f"{ring}/peak_rows"] = float(peak_received_rows(plan.need, None))
+        rows = peak_received_rows(plan.need, None)
+        times[f"{ring}/peak_rows"] = float(rows)
+        times[f"{ring}/peak_bytes"] = float(rows * layer.config.head_dim * x.element_size())
         times[f"{ring}/seconds"] = _best_seconds(layer, x, cu, plan, world, rank, repeats, exchange="need", ring_degree=ring)
     return times
 
