@@ -33,6 +33,7 @@ from cpkv._checks import check_int
 from cpkv.attention_plan import CompressedPlan, SegmentPlan, plan_segments
 from cpkv.comm import BackwardOrder, Group
 from cpkv.layout import compress_cu_seqlens, validate_cu_seqlens
+from cpkv.plan import compute_prefix_kv_cu_seqlens
 from cpkv.sharding import contiguous_shard_range
 
 
@@ -325,8 +326,6 @@ def plan_need_exchange(
     kv_start = torch.minimum(cu[first_doc], bounds[:-1]) if cu.numel() > 1 else bounds[:-1]
     check_int("ring_degree", ring_degree, minimum=1)
     kv, offsets, segments, rounds = {}, {}, {}, {}
-    from cpkv.plan import compute_prefix_kv_cu_seqlens
-
     prefix = compute_prefix_kv_cu_seqlens(cu, a_r, local_len)
     for window in dict.fromkeys(windows):
         lo = kv_start if window is None else torch.maximum(kv_start, bounds[:-1] - check_int("window", window, minimum=1) + 1)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from cpkv.attention_plan import plan_attention
 from cpkv.launch import spawn
+from cpkv.ring import peak_received_rows
 from cpkv.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
@@ -46,8 +47,6 @@ def wall_times(cu: torch.Tensor, cp: int, ratios: list[int], repeats: int = 3) -
 
 
 def _ring_times(rank: int, world: int, cu: torch.Tensor, rings: list[int], repeats: int) -> dict[str, float]:
-    from cpkv.ring import peak_received_rows
-
     x = torch.randn(int(cu[-1]), 64, generator=torch.Generator().manual_seed(0))
     layer = V4Attention(V4Config(compress_ratio=0, window=None), seed=0)
     times: dict[str, float] = {}
