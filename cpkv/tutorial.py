@@ -115,16 +115,21 @@ def indexer_selection(
 
 def _run_one(
     config: V4Config, x: Tensor, grad_out: Tensor, cu_seqlens: Tensor, rank: int, world_size: int,
-    seed: int, grad_scale: float, exchange: str,
+    seed: int, grad_scale: float, exchange: str, ring_degree: int = 1,
 ) -> RankResult:
     """Forward + backward of one layer on this rank's contiguous TND shard."""
     layer = V4Attention(config, seed=seed).to(x.dtype)
     need_windows = [config.window] if exchange == "need" else None
-    plan = plan_attention(cu_seqlens, world_size, rank, compress_ratios=compress_ratios(config), need_windows=need_windows)
+    plan = plan_attention(
+        cu_seqlens, world_size, rank, compress_ratios=compress_ratios(config), need_windows=need_windows,
+        ring_degree=ring_degree,
+    )
     x_local = shard_contiguous(x, world_size, rank).clone().requires_grad_(True)
     with count_bytes() as counter:
         start = time.perf_counter()
-        result = layer(x_local, cu_seqlens, None, plan=plan, grad_scale=grad_scale, exchange=exchange)
+        result = layer(
+            x_local, cu_seqlens, None, plan=plan, grad_scale=grad_scale, exchange=exchange, ring_degree=ring_degree
+        )
         torch.autograd.backward(result.out, shard_contiguous(grad_out, world_size, rank))
         seconds = time.perf_counter() - start
     selected = None
@@ -173,4 +178,32 @@ def run_layer_modes(
         for name, config in configs.items():
             results[exchange][name] = _run_one(config, x, grad_out, cu_seqlens, rank, world_size, seed, grad_scale, exchange)
             dist.barrier()  # keep the ranks' per-mode timings aligned
+    return results
+
+
+def run_ring_degrees(
+    rank: int, world_size: int, config: V4Config, x: Tensor, grad_out: Tensor, cu_seqlens: Tensor,
+    seed: int, grad_scale: float, ring_degrees: Sequence[int] = (1, 3),
+) -> dict[int, RankResult]:
+    """Run the V4-style layer with the need-based exchange once per ``ring_degree`` on this rank.
+
+    Meant for :func:`cpkv.launch.spawn`, like :func:`run_layer_modes`. For each ``R`` the plan
+    is made with ``plan_attention(..., need_windows=[config.window], ring_degree=R)`` and the
+    layer runs with ``exchange="need", ring_degree=R`` (``R > 1``: the remote prefix kv arrives
+    in ``R`` rounds and the partial results are merged by LSE, :mod:`cpkv.ring`).
+
+    Args:
+        rank, world_size, x, grad_out, cu_seqlens, seed, grad_scale: as :func:`run_layer_modes`.
+        config: the layer's :class:`~cpkv.v4.V4Config` (any compress mode).
+        ring_degrees: the ``R`` values to run, in turn.
+
+    Returns:
+        ``R`` -> :class:`RankResult` of this rank.
+    """
+    results: dict[int, RankResult] = {}
+    for ring_degree in ring_degrees:
+        results[ring_degree] = _run_one(
+            config, x, grad_out, cu_seqlens, rank, world_size, seed, grad_scale, "need", ring_degree
+        )
+        dist.barrier()
     return results
