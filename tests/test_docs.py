@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cpkv import (
     AttentionSpec,
     actual_seq_len_to_cu_seqlens,
+    attention_forward,
+    attention_forward_zigzag_tnd,
+    check_zigzag_tnd_lengths,
     compute_prefix_kv_cu_seqlens,
     contiguous_shard_range,
     plan_attention,
@@ -22,6 +28,7 @@ from cpkv import (
     shard_zigzag,
     validate_cu_seqlens,
 )
+from cpkv.backends import ReferenceBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -53,6 +60,36 @@ def test_relative_links_resolve(page: str) -> None:
     assert not broken
 
 
+CU = torch.tensor([0, 5, 12, 12, 24, 27, 32])  # the docs' running example
+SPEC = AttentionSpec(d_v=8, window=16)
+
+
+class _NamedNPU(ReferenceBackend):
+    """A backend that reports itself as the NPU one (the ring check looks at the name only)."""
+
+    name = "npu"
+
+
+def _one_rank(call: Callable[[int], object]) -> Callable[[], object]:
+    """Run ``call(T)`` on a one-rank gloo group (for checks that read the group size), then tear it down."""
+
+    def run() -> object:
+        if dist.is_initialized():
+            return call(int(CU[-1]))
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        try:
+            return call(int(CU[-1]))
+        finally:
+            dist.destroy_process_group()
+
+    return run
+
+
+def _forward(t: int, **kwargs: object) -> object:
+    return attention_forward(torch.zeros(t, 2, 8), torch.zeros(t, 8), CU, None, spec=SPEC, **kwargs)  # type: ignore[arg-type]
+
+
 ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, lambda: contiguous_shard_range(17, 2, 0)),
     (ValueError, lambda: shard_zigzag(torch.zeros(1, 12, 1, 1), 4, 0)),
@@ -66,6 +103,13 @@ ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, lambda: rearrange_prefix_kv(torch.zeros(16, 1), compute_prefix_kv_cu_seqlens(torch.tensor([0, 5, 12, 17]), 8, 8))),
     (ValueError, lambda: plan_attention(torch.tensor([0, 8, 16]), 2, 0).segments.compressed_for(4)),
     (ValueError, lambda: AttentionSpec(d_v=8, compress_ratio=4, window=None).validate()),
+    (ValueError, lambda: check_zigzag_tnd_lengths(CU, 4)),
+    (ValueError, lambda: _forward(8, ring_degree=2)),
+    (ValueError, lambda: plan_attention(CU, 4, 0, ring_degree=2)),
+    (ValueError, lambda: attention_forward_zigzag_tnd(torch.zeros(8, 2, 8), torch.zeros(8, 8), CU, None, spec=SPEC, ring_degree=2)),
+    (ValueError, _one_rank(lambda t: _forward(t, exchange="need", plan=plan_attention(CU, 1, 0)))),
+    (ValueError, _one_rank(lambda t: _forward(t, exchange="need", plan=plan_attention(CU, 1, 0, need_windows=[16]), ring_degree=3))),
+    (ValueError, _one_rank(lambda t: _forward(t, exchange="need", ring_degree=2, backend=_NamedNPU()))),
 ]
 
 
@@ -75,3 +119,9 @@ def test_troubleshooting_quotes_the_real_messages(expected: type[Exception], cal
         call()
     quoted = f"{expected.__name__}: {info.value}"
     assert quoted in (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("page", ["design.md", "conventions.md", "troubleshooting.md", "../examples/README.md"])
+def test_no_coming_placeholders_left(page: str) -> None:
+    """Features described as "coming" have landed: the pages describe them instead."""
+    assert "(coming" not in (DOCS / page).read_text(encoding="utf-8")
