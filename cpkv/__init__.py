@@ -7,12 +7,16 @@ Pure, typed functions over tensors and explicit process groups:
 * sequence-length conventions: :func:`validate_cu_seqlens`,
   :func:`cu_seqlens_to_actual_seq_len`, :func:`actual_seq_len_to_cu_seqlens`,
   :func:`compress_cu_seqlens`;
-* sharding: :func:`permute_cp_shard`, :func:`shard_contiguous`, :func:`shard_zigzag`
+* sharding: :func:`permute_cp_shard`, :func:`shard_contiguous`, :func:`shard_zigzag`,
+  :func:`shard_zigzag_tnd` (load-balanced per-document zigzag), :func:`pad_documents`
   and their inverses;
 * collectives: :func:`gather_from_sp_cp`, :func:`global_num_seqs`,
   :func:`all_gather_qk_weight_kvallgather`;
 * DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`;
-* the pipeline: :func:`plan_attention`, :func:`attention_forward` (and the BSND variants).
+* the pipeline: :func:`plan_attention`, :func:`attention_forward` (``exchange`` "allgather"
+  or "need", ``ring_degree`` rounds) and the zigzag variants;
+* the need-based exchange (:func:`plan_need_exchange`, :func:`exchange_rows`) and
+  :class:`BackwardOrder`, which keeps backward collectives in one order on every rank.
 """
 
 from cpkv.attention import (

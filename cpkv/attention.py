@@ -283,7 +283,8 @@ def attention_forward(
 
     Raises:
         ValueError, TypeError: bad shapes, inconsistent spec/modules/plan, ``T % cp != 0``,
-            ``ring_degree != 1``; raised on every rank before any collective.
+            ``ring_degree > 1`` without ``exchange="need"``, a plan without the requested routes
+            or rounds, the NPU backend with rounds; raised on every rank before any collective.
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
@@ -306,6 +307,8 @@ def attention_forward(
     kv_offset, varlen_segments, order = 0, None, BackwardOrder(q.device)
     ops = get_backend(backend, q.device)
     if ring_degree > 1:
+        if ops.name == "npu":
+            raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; use 1")
         need = _need_plan(plan, spec, ring_degree)
         compressed, tensors = _compress_exchanged(
             need, plan.segments, spec, hidden, kv.shape[-1], kv.dtype, compressor, indexer, group, order
@@ -337,9 +340,10 @@ def _need_plan(plan: AttentionPlan, spec: AttentionSpec, ring_degree: int) -> Ne
     """The plan's need-based routes for this layer, or a ``ValueError`` saying what to plan."""
     need = plan.need
     if need is None or spec.window not in need.kv or (spec.mode.compresses and spec.compress_ratio not in need.compressed):
+        ratios = f" and compress_ratios containing {spec.compress_ratio}" if spec.mode.compresses else ""
         raise ValueError(
-            f"exchange='need' needs a plan made with need_windows containing {spec.window} and"
-            f" compress_ratios containing {spec.compress_ratio}: plan_attention(..., need_windows=[...])"
+            f"exchange='need' needs a plan made with need_windows containing {spec.window}{ratios}:"
+            " plan_attention(..., need_windows=[...])"
         )
     planned = len(need.kv_rounds[spec.window]) or 1
     if planned != ring_degree:
@@ -353,8 +357,6 @@ def _ring_forward(
     order: BackwardOrder, grad_scale: float,
 ) -> AttentionOutput:
     """Local partial (own rows, compressed entries) + remote rounds, merged by LSE (:mod:`cpkv.ring`)."""
-    if backend.name == "npu":
-        raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; use 1")
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     pending = start_exchange(kv, need.kv_rounds[spec.window][0].routes, group)  # overlaps the local partial
     segments, mode = plan.segments, spec.mode

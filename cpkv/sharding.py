@@ -1,11 +1,13 @@
 """How tokens are split over CP ranks, and back (SEMANTICS section 2).
 
-Two schemes live here:
+Three schemes live here:
 
 * **contiguous TND**: rank ``r`` holds packed tokens ``[r*L, (r+1)*L)``,
   ``L = T / cp``; documents may straddle ranks.
 * **zigzag** (BSND and the gather order of every zigzag scheme): the sequence is
   cut into ``2*cp`` equal chunks; rank ``r`` holds chunks ``r`` and ``2cp-1-r``.
+* **per-document zigzag TND**: every document cut into ``2*cp`` chunks, rank ``r``
+  holding chunks ``r`` and ``2cp-1-r`` of each, in document order (load-balanced).
 
 Everything here is pure tensor indexing: no process group is needed, so users
 can prepare batches (what Megatron's ``get_batch_on_this_cp_rank`` does) and

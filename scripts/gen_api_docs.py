@@ -44,7 +44,8 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.backends", None),
     ("cpkv.launch", ["spawn", "RankError"]),
     ("cpkv.commstats", ["count_bytes", "ByteCounter"]),
-    ("cpkv.tutorial", ["run_layer_modes", "indexer_selection", "RankResult"]),
+    ("cpkv.tutorial", ["run_layer_modes", "run_ring_degrees", "indexer_selection", "RankResult"]),
+    ("cpkv.ring", ["merge_partials", "ring_rounds", "peak_received_rows"]),
 ]
 SECTION = re.compile(
     r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Shapes|Shape legend|Note|Notes|Example|Examples)"
