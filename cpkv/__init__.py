@@ -40,6 +40,7 @@ from cpkv.comm import (
     BackwardOrder,
     IndexerInputs,
     all_gather_qk_weight_kvallgather,
+    check_same_on_all_ranks,
     gather_from_sp_cp,
     global_num_seqs,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "actual_seq_len_to_cu_seqlens",
     "all_gather_qk_weight_kvallgather",
     "attend_prefix",
+    "check_same_on_all_ranks",
     "attention_forward",
     "attention_forward_bsnd",
     "attention_forward_zigzag_tnd",

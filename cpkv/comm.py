@@ -229,3 +229,33 @@ def all_gather_qk_weight_kvallgather(
     k_cp = gather_from_sp_cp(k, tp_group, tnd=True, dim=dim)
     return IndexerInputs(q_full, gather_from_sp_cp(k_cp, cp_group, tnd=False, dim=dim), w_full)
 
+
+
+def check_same_on_all_ranks(cu_seqlens: Tensor, group: Group, *, device: torch.device | str | None = None) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold the same ``cu_seqlens``.
+
+    Different ``cu_seqlens`` on different ranks make the plans, and so the collectives,
+    disagree: a hang, a gloo size error, or (same ``T``, other boundaries) silently wrong
+    attention. This opt-in check costs two small all-reduces; call it once per micro-batch
+    while debugging or in tests. Every rank raises alike, so none is left in a collective.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int tensor (any convention: it is compared, not interpreted).
+        group: the CP group.
+        device: where the all-reduces run (NCCL needs ``"cuda"``); default ``cu_seqlens.device``.
+
+    Example:
+        >>> check_same_on_all_ranks(cu_seqlens, cp_group)  # doctest: +SKIP
+    """
+    check_tensor("cu_seqlens", cu_seqlens)
+    values = cu_seqlens.detach().to(device or cu_seqlens.device, torch.int64).flatten()
+    weights = torch.arange(1, values.numel() + 1, device=values.device, dtype=torch.int64)
+    digest = torch.stack([torch.tensor(values.numel(), device=values.device), (values * weights).sum(), values.sum()])
+    low, high = digest.clone(), digest.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise ValueError(
+            f"cu_seqlens differs between the ranks of the group (this rank: {values.numel()} entries, last"
+            f" {int(values[-1]) if values.numel() else 'none'}): every rank must pass the same global cu_seqlens"
+        )

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpkv.comm import all_gather_qk_weight_kvallgather, gather_from_sp_cp, global_num_seqs
+from cpkv.comm import all_gather_qk_weight_kvallgather, check_same_on_all_ranks, gather_from_sp_cp, global_num_seqs
 from cpkv.launch import spawn
 from cpkv.sharding import shard_contiguous, shard_zigzag
 
@@ -86,6 +86,12 @@ def _comm_checks(rank: int, world: int) -> dict[str, Any]:
     results["num_seqs"] = global_num_seqs(rank + 1, None)
     results["num_seqs_tensor"] = global_num_seqs(torch.tensor(2 * rank), None)
     results["bad"] = _bad_input_case(rank, world)
+    check_same_on_all_ranks(torch.tensor([0, 5, 12, 16]), None)  # same everywhere: no error
+    try:  # same T, other boundaries on the last rank
+        check_same_on_all_ranks(torch.tensor([0, 5, 12, 16]) if rank < world - 1 else torch.tensor([0, 6, 12, 16]), None)
+        results["mismatch"] = "no error"
+    except ValueError as err:
+        results["mismatch"] = str(err)
     if world == 4:
         results["indexer"] = _indexer_gather_case(rank, world)
     return results
@@ -129,6 +135,13 @@ def test_bad_input_raises_on_every_rank(comm_run: tuple[int, list[dict[str, Any]
         assert len(messages) == 4, messages
         assert "2*cp" in messages[0] and "tp_size" in messages[1] and "dim" in messages[2]
         assert "local_num_tokens" in messages[3]
+
+
+@pytest.mark.timeout(150)
+def test_mismatched_cu_seqlens_raise_on_every_rank(comm_run: tuple[int, list[dict[str, Any]]]) -> None:
+    world, results = comm_run
+    for res in results:
+        assert ("differs between the ranks" in res["mismatch"]) == (world > 1), res["mismatch"]
 
 
 @pytest.mark.timeout(150)
