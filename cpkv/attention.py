@@ -262,7 +262,9 @@ def attention_forward(
         hidden: ``[T/cp, hidden]`` this rank's compressor / indexer inputs (compressed modes).
         compressor, indexer: the layer's modules (compressed modes / INDEXER).
         plan: this rank's :class:`AttentionPlan`, computed once per micro-batch with
-            ``compress_ratios`` covering this layer; built here when ``None``.
+            ``compress_ratios`` covering this layer; built here when ``None``. With a plan,
+            ``cu_seqlens`` is only checked for its length (no host sync per layer); the
+            local token counts of ``q`` and ``kv`` then pin ``T``.
         backend: ``"reference"``, ``"cuda"``, ``"npu"``, ``"auto"`` (by ``q.device``) or an
             :class:`AttentionBackend` instance (create it once per model so that fallback
             warnings appear once).
@@ -291,18 +293,15 @@ def attention_forward(
     if check_int("ring_degree", ring_degree, minimum=1) != 1 and exchange != "need":
         raise ValueError(f"ring_degree={ring_degree} splits the need-based exchange: pass exchange='need'")
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    validate_cu_seqlens(cu_seqlens)
     ratios = [spec.compress_ratio] if spec.mode.compresses else []
     if plan is None:
+        validate_cu_seqlens(cu_seqlens)
         plan = plan_attention(
             cu_seqlens, cp_size, cp_rank, compress_ratios=ratios,
             need_windows=[spec.window] if exchange == "need" else None, ring_degree=ring_degree,
         )
-    elif (plan.cp_size, plan.cp_rank, plan.prefix.num_tokens) != (cp_size, cp_rank, int(cu_seqlens[-1])):
-        raise ValueError(
-            f"plan was made for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}, T={plan.prefix.num_tokens};"
-            f" this call has cp_size={cp_size}, cp_rank={cp_rank}, T={int(cu_seqlens[-1])}"
-        )
+    else:  # the plan holds the validated values: check against it without a host sync per layer
+        _check_plan_matches(plan.cp_size, plan.cp_rank, plan.num_documents, cp_size, cp_rank, cu_seqlens)
     _check_inputs(q, kv, hidden, spec, plan.prefix.local_len, compressor, indexer)
     kv_offset, varlen_segments, order = 0, None, BackwardOrder(q.device)
     ops = get_backend(backend, q.device)
@@ -334,6 +333,18 @@ def attention_forward(
         num_global_queries=plan.num_global_queries,
     )
     return result._replace(out=order.attach(result.out))
+
+
+def _check_plan_matches(
+    plan_cp_size: int, plan_cp_rank: int, plan_documents: int, cp_size: int, cp_rank: int, cu_seqlens: Tensor
+) -> None:
+    """Raise ``ValueError`` if a caller's plan was made for another group position or batch shape."""
+    check_ndim("cu_seqlens", check_tensor("cu_seqlens", cu_seqlens), 1, "[B + 1] (1-D, leading 0)")
+    if (plan_cp_size, plan_cp_rank, plan_documents) != (cp_size, cp_rank, cu_seqlens.numel() - 1):
+        raise ValueError(
+            f"plan was made for cp_size={plan_cp_size}, cp_rank={plan_cp_rank}, B={plan_documents} documents;"
+            f" this call has cp_size={cp_size}, cp_rank={cp_rank}, B={cu_seqlens.numel() - 1}"
+        )
 
 
 def _need_plan(plan: AttentionPlan, spec: AttentionSpec, ring_degree: int) -> NeedPlan:

@@ -189,6 +189,9 @@ class AttentionPlan:
         num_global_queries: ``N``, query tokens of the whole CP group (indexer loss).
         cp_size, cp_rank: the sharding this plan is for.
         need: routes of the need-based exchange (:mod:`cpkv.exchange`), if planned.
+        num_documents: ``B``, documents of the micro-batch (``cu_seqlens`` has ``B + 1``
+            entries): a layer given this plan checks its ``cu_seqlens`` against it without a
+            host sync.
     """
 
     prefix: PrefixKVPlan
@@ -197,6 +200,7 @@ class AttentionPlan:
     cp_size: int
     cp_rank: int
     need: NeedPlan | None = None
+    num_documents: int = 0
 
 
 def plan_attention(
@@ -234,7 +238,7 @@ def plan_attention(
         )
     elif ring_degree != 1:
         raise ValueError(f"ring_degree={ring_degree} needs the need-based plan: pass need_windows=[...]")
-    return AttentionPlan(prefix, segments, int(cu_seqlens[-1]), cp_size, cp_rank, need)
+    return AttentionPlan(prefix, segments, int(cu_seqlens[-1]), cp_size, cp_rank, need, cu_seqlens.numel() - 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -319,7 +323,8 @@ class ZigzagTNDPlan:
     Attributes:
         segments: the :class:`SegmentPlan` of the duplicated buffer (local queries in shard order).
         kv_rows: ``[sum Lkv]`` int64 rows of the rank-major gathered buffer forming the kv buffer.
-        num_global_queries: ``T``. cp_size, cp_rank, num_tokens: what the plan is for.
+        num_global_queries: ``T``. cp_size, cp_rank, num_tokens, num_documents: what the plan
+            is for (``num_documents`` = ``B``).
     """
 
     segments: SegmentPlan
@@ -328,6 +333,7 @@ class ZigzagTNDPlan:
     cp_size: int
     cp_rank: int
     num_tokens: int
+    num_documents: int
 
 
 def plan_attention_zigzag_tnd(
@@ -371,4 +377,5 @@ def plan_attention_zigzag_tnd(
         cp_size=cp_size,
         cp_rank=cp_rank,
         num_tokens=int(cu_seqlens[-1]),
+        num_documents=cu_seqlens.numel() - 1,
     )

@@ -19,6 +19,7 @@ from cpkv.attention import (
     CompressorFn,
     IndexerFn,
     _check_inputs,
+    _check_plan_matches,
     _compress_gathered,
     attend_prefix,
 )
@@ -121,12 +122,12 @@ def attention_forward_zigzag_tnd(
     if check_int("ring_degree", ring_degree, minimum=1) != 1:
         raise ValueError(f"ring_degree={ring_degree}: only 1 (one all-gather round) is implemented so far")
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    validate_cu_seqlens(cu_seqlens)
     if plan is None:
+        validate_cu_seqlens(cu_seqlens)
         ratios = [spec.compress_ratio] if spec.mode.compresses else []
         plan = plan_attention_zigzag_tnd(cu_seqlens, cp_size, cp_rank, compress_ratios=ratios)
-    if (plan.cp_size, plan.cp_rank, plan.num_tokens) != (cp_size, cp_rank, int(cu_seqlens[-1])):
-        raise ValueError(f"plan (cp={plan.cp_size}, rank={plan.cp_rank}, T={plan.num_tokens}) does not match this call")
+    else:  # no host sync per layer: the plan holds the validated values
+        _check_plan_matches(plan.cp_size, plan.cp_rank, plan.num_documents, cp_size, cp_rank, cu_seqlens)
     _check_inputs(q, kv, hidden, spec, plan.num_tokens // cp_size, compressor, indexer)
     rows = plan.kv_rows.to(kv.device)
     order = BackwardOrder(q.device)
