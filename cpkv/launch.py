@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -64,9 +65,17 @@ def spawn(
         ``[result_of_rank_0, ..., result_of_rank_{world_size-1}]``.
 
     Raises:
+        TypeError: ``fn`` lives in an interactive ``__main__`` (a notebook), which spawned
+            processes cannot import.
         RankError: a rank raised (the message holds its traceback) or died.
         TimeoutError: the ranks did not all finish within ``timeout`` (all are killed).
     """
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
+        raise TypeError(
+            f"fn={getattr(fn, '__name__', fn)!r} is defined in an interactive __main__ (a notebook or REPL), which"
+            " spawned ranks cannot import: define it in a module (e.g. cpkv.tutorial) and import it"
+        )
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

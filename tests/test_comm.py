@@ -156,3 +156,16 @@ def test_indexer_inputs_gathered_over_tp_and_cp(comm_run: tuple[int, list[dict[s
         assert torch.equal(res["indexer"]["w"], shard_zigzag(w_full, 2, cp_rank, dim=0))
         assert torch.equal(res["indexer"]["k"], k_full)
         assert res["indexer"]["k_tnd_is_input"]
+
+
+def test_spawn_rejects_functions_of_an_interactive_main(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    def worker(rank: int, world: int) -> int:
+        return rank
+
+    worker.__module__ = "__main__"
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # no __file__, like a notebook
+    with pytest.raises(TypeError, match="interactive __main__"):
+        spawn(worker, 2)
