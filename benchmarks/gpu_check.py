@@ -48,10 +48,9 @@ from cpkv.attention import AttentionSpec, attend_prefix  # noqa: E402
 from cpkv.attention_plan import plan_attention  # noqa: E402
 from cpkv.backends import ReferenceBackend  # noqa: E402
 from cpkv.backends.cuda import CUDABackend  # noqa: E402
-from cpkv.layout import seqlens_to_cu_seqlens  # noqa: E402
-from cpkv.v4 import V4Attention, V4Config  # noqa: E402
+from cpkv.v4 import V4Config  # noqa: E402
+from device_common import compare, run_layer, visible_pairs  # noqa: E402
 
-LENGTHS = [700, 0, 1500, 37, 3, 900, 1, 955]  # 4096 tokens: zero-length, tiny and multi-window documents
 CASES = {
     "window": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=64),
     "dense": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=None),
@@ -62,19 +61,6 @@ BENCH = [  # (local tokens L, rank r: prefix L * (r + 1), heads, window)
     (8192, 3, 16, None), (8192, 3, 16, 128), (16384, 1, 32, None), (16384, 1, 32, 128),
     (32768, 1, 32, None), (32768, 1, 32, 128), (65536, 1, 32, None), (65536, 1, 64, 128),
 ]
-
-
-def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    cu = seqlens_to_cu_seqlens(LENGTHS, device=device)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
-    grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype)
-    layer = V4Attention(config, seed=1).to(device, dtype)
-    plan = plan_attention(cu, 1, 0, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
-    result = layer(x, cu, None, plan=plan, backend=backend)
-    result.out.backward(grad_out)
-    grads = {f"grad {n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}
-    return {"out": result.out.detach(), "grad x": x.grad, **grads}
 
 
 def check_correctness(device: torch.device) -> tuple[list[str], bool]:
@@ -89,21 +75,10 @@ def check_correctness(device: torch.device) -> tuple[list[str], bool]:
         if fallbacks and not config.mode.compresses:
             rows.append(f"| {name} | (fallback) | {fallbacks[0]} | | | FAIL |")
             ok = False
-        for key, ref in exact.items():
-            err = float((got[key].double() - ref).abs().max())
-            ref_err = float((low[key].double() - ref).abs().max())
-            bound = 2 * ref_err + 2**-8 * float(ref.abs().max())
-            passed = err <= bound
-            ok &= passed
-            if key in ("out", "grad x", "grad wq.weight", "grad sinks") or not passed:
-                rows.append(f"| {name} | {key} | {err:.3e} | {ref_err:.3e} | {bound:.3e} | {'ok' if passed else 'FAIL'} |")
+        mode_rows, mode_ok = compare(name, exact, low, got)
+        rows += mode_rows
+        ok &= mode_ok
     return rows, ok
-
-
-def visible_pairs(num_q: int, num_kv: int, window: int | None) -> int:
-    """Sum over queries of visible keys (bottom-right causal, optional window)."""
-    counts = torch.arange(num_kv - num_q + 1, num_kv + 1, dtype=torch.float64)
-    return int((counts if window is None else counts.clamp(max=window)).sum())
 
 
 def cuda_time(fn: Callable[[], Any], reps: int) -> float:

@@ -49,10 +49,9 @@ from cpkv.attention import AttentionSpec, attend_prefix  # noqa: E402
 from cpkv.attention_plan import plan_attention  # noqa: E402
 from cpkv.backends import ReferenceBackend  # noqa: E402
 from cpkv.backends.npu import MASK_SIZE, NPUBackend  # noqa: E402
-from cpkv.layout import seqlens_to_cu_seqlens  # noqa: E402
-from cpkv.v4 import V4Attention, V4Config  # noqa: E402
+from cpkv.v4 import V4Config  # noqa: E402
+from device_common import compare, run_layer, visible_pairs  # noqa: E402
 
-LENGTHS = [700, 0, 1500, 37, 3, 900, 1, 955]  # 4096 tokens
 _SMALL = {"hidden": 512, "heads": 8, "head_dim": 128, "rope_dim": 64, "window": 128}
 _MLA = {"hidden": 512, "heads": 16, "head_dim": 576, "rope_dim": 64, "window": 128, "index_heads": 8, "index_head_dim": 128}
 CASES = {
@@ -65,19 +64,6 @@ BENCH = [(8192, 3, 16, None), (8192, 3, 16, 128), (16384, 1, 32, None), (16384, 
          (32768, 1, 32, None), (32768, 1, 32, 128), (65536, 1, 32, None), (65536, 1, 64, 128)]
 
 
-def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    cu = seqlens_to_cu_seqlens(LENGTHS, device=device)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
-    grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype)
-    layer = V4Attention(config, seed=1).to(device, dtype)
-    plan = plan_attention(cu, 1, 0, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
-    result = layer(x, cu, None, plan=plan, backend=backend)
-    result.out.backward(grad_out)
-    grads = {f"grad {n}": p.grad.cpu() for n, p in layer.named_parameters() if p.grad is not None}
-    return {"out": result.out.detach().cpu(), "grad x": x.grad.cpu(), **grads}  # type: ignore[union-attr]
-
-
 def check_mode(name: str, config: V4Config, device: torch.device) -> tuple[list[str], bool]:
     exact = run_layer(config, torch.float64, ReferenceBackend(), torch.device("cpu"))
     low = run_layer(config, torch.bfloat16, ReferenceBackend(), device)
@@ -88,13 +74,8 @@ def check_mode(name: str, config: V4Config, device: torch.device) -> tuple[list[
     for message in (str(w.message) for w in caught if "falling back" in str(w.message)):
         rows.append(f"| {name} | fallback | {message} | | | FAIL |")
         ok = False
-    for key, ref in exact.items():
-        err, ref_err = float((got[key].double() - ref).abs().max()), float((low[key].double() - ref).abs().max())
-        bound = 2 * ref_err + 2**-8 * float(ref.abs().max())
-        ok &= err <= bound
-        if key in ("out", "grad x", "grad sinks") or err > bound:
-            rows.append(f"| {name} | {key} | {err:.3e} | {ref_err:.3e} | {bound:.3e} | {'ok' if err <= bound else 'FAIL'} |")
-    return rows, ok
+    mode_rows, mode_ok = compare(name, exact, low, got)
+    return rows + mode_rows, ok and mode_ok
 
 
 def check_correctness(device: torch.device) -> tuple[list[str], bool]:
@@ -109,11 +90,6 @@ def check_correctness(device: torch.device) -> tuple[list[str], bool]:
         rows += mode_rows
         ok &= mode_ok
     return rows, ok
-
-
-def visible_pairs(num_q: int, num_kv: int, window: int | None) -> int:
-    counts = torch.arange(num_kv - num_q + 1, num_kv + 1, dtype=torch.float64)
-    return int((counts if window is None else counts.clamp(max=window)).sum())
 
 
 def npu_time(fn: Callable[[], Any], reps: int) -> float:
