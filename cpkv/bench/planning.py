@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -10,30 +11,26 @@ from torch import Tensor
 from cpkv.plan import compute_prefix_kv_cu_seqlens
 
 
-def loop_plan(cu: list[int], start: int, stop: int) -> tuple[list[int], list[int], int]:
-    """The obvious Python loop over documents: ``(cu_seqlens_q, cu_seqlens_kv, kv_start)``."""
+def _plan_from_pairs(pairs: Iterable[tuple[int, int]], start: int, stop: int) -> tuple[list[int], list[int], int]:
+    """The obvious per-document loop: ``(cu_seqlens_q, cu_seqlens_kv, kv_start)`` of ``[start, stop)``."""
     cu_q, cu_kv, kv_start = [0], [0], stop
-    for doc in range(len(cu) - 1):
-        s, e = cu[doc], cu[doc + 1]
+    for s, e in pairs:
         if e <= s or s >= stop or e <= start:
             continue
         kv_start = min(kv_start, s)
         cu_q.append(cu_q[-1] + min(e, stop) - max(s, start))
         cu_kv.append(cu_kv[-1] + min(e, stop) - s)
     return cu_q, cu_kv, kv_start
+
+
+def loop_plan(cu: list[int], start: int, stop: int) -> tuple[list[int], list[int], int]:
+    """The loop over a host list of ints (the fastest plain Python)."""
+    return _plan_from_pairs(zip(cu[:-1], cu[1:]), start, stop)
 
 
 def tensor_loop_plan(cu: Tensor, start: int, stop: int) -> tuple[list[int], list[int], int]:
     """The same loop reading the ``cu_seqlens`` tensor element by element (typical first code)."""
-    cu_q, cu_kv, kv_start = [0], [0], stop
-    for s_t, e_t in zip(cu[:-1], cu[1:]):
-        s, e = int(s_t), int(e_t)
-        if e <= s or s >= stop or e <= start:
-            continue
-        kv_start = min(kv_start, s)
-        cu_q.append(cu_q[-1] + min(e, stop) - max(s, start))
-        cu_kv.append(cu_kv[-1] + min(e, stop) - s)
-    return cu_q, cu_kv, kv_start
+    return _plan_from_pairs(((int(s), int(e)) for s, e in zip(cu[:-1], cu[1:])), start, stop)
 
 
 def planning_times(cu: Tensor, cp: int, repeats: int = 5) -> tuple[float, float, float]:
