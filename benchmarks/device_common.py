@@ -16,23 +16,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cpkv.attention_plan import plan_attention  # noqa: E402
-from cpkv.layout import seqlens_to_cu_seqlens  # noqa: E402
+from cpkv.collectives import Group  # noqa: E402
+from cpkv.plan.attention import plan_attention  # noqa: E402
+from cpkv.plan.conventions import seqlens_to_cu_seqlens  # noqa: E402
 from cpkv.v4 import V4Attention, V4Config  # noqa: E402
 
 LENGTHS = [700, 0, 1500, 37, 3, 900, 1, 955]  # 4096 tokens: zero-length, tiny and multi-window documents
 SHOWN = ("out", "grad x", "grad wq.weight", "grad sinks")
 
 
-def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """Output, input gradient and parameter gradients of the layer on one rank (on the CPU)."""
+def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.device,
+              group: Group = None) -> dict[str, torch.Tensor]:
+    """Output, input gradient and parameter gradients (on the CPU) of the layer run on one rank of ``group``.
+
+    ``group`` (default: the default group) must have one rank and a backend that serves
+    ``device`` (its all-gather carries the kv and hidden states).
+    """
     cu = seqlens_to_cu_seqlens(LENGTHS, device=device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_(True)
     grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64).to(device, dtype)
     layer = V4Attention(config, seed=1).to(device, dtype)
     plan = plan_attention(cu, 1, 0, compress_ratios=[config.compress_ratio] if config.mode.compresses else [])
-    result = layer(x, cu, None, plan=plan, backend=backend)
+    result = layer(x, plan, group, backend=backend)
     torch.autograd.backward(result.out, grad_out)
     grads = {f"grad {n}": p.grad.cpu() for n, p in layer.named_parameters() if p.grad is not None}
     grad_x = x.grad.cpu() if x.grad is not None else torch.zeros(0)

@@ -12,7 +12,7 @@ repository root is put on ``sys.path``; no network). One GPU, about 5 minutes at
    with ``floor = 2**-8 * max|fp64|`` (one bf16 ulp of the largest value: both bf16 runs
    round the same inputs and weights and differ in accumulation order and in a few extra
    roundings of the kernel path). Any fallback warning in NO_COMPRESS modes fails too.
-2. Speed: varlen attention as ``attend_prefix`` calls it (MQA shared kv, bottom-right
+2. Speed: varlen attention as ``attention_forward`` calls it (``backend.varlen_attention``) (MQA shared kv, bottom-right
    causal prefix: ``L`` local queries over a prefix of ``L * (r + 1)`` keys, rank ``r`` of
    one long document; D = 128, bf16, window None and 128) against a bare ``varlen_attn``
    call on the same shapes; forward and forward+backward; cpkv with and without sinks
@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cpkv.attention import AttentionSpec, attend_prefix  # noqa: E402
-from cpkv.attention_plan import plan_attention  # noqa: E402
+from cpkv.plan.attention import plan_attention  # noqa: E402
 from cpkv.backends import ReferenceBackend  # noqa: E402
 from cpkv.backends.cuda import CUDABackend  # noqa: E402
 from cpkv.v4 import V4Config  # noqa: E402
@@ -100,6 +99,7 @@ def bench_one(local: int, rank: int, heads: int, window: int | None, reps: int, 
     from torch.nn.attention.varlen import varlen_attn
 
     dim, prefix = 128, local * (rank + 1)
+    # rank r of r + 1 ranks of one document: the segments attention_forward gives the kernel (all-gather exchange)
     segments = plan_attention(torch.tensor([0, prefix], device=device), rank + 1, rank).segments
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(local, heads, dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_(True)
@@ -107,7 +107,7 @@ def bench_one(local: int, rank: int, heads: int, window: int | None, reps: int, 
     sinks = torch.randn(heads, device=device, generator=gen).requires_grad_(True)
     grad = torch.randn(local, heads, dim, device=device, dtype=torch.bfloat16, generator=gen)
     cu_q, cu_k = segments.cu_seqlens_q, segments.cu_seqlens_kv
-    spec, backend = AttentionSpec(d_v=dim, window=window), CUDABackend()
+    backend = CUDABackend()
     window_size = (-1, 0) if window is None else (window - 1, 0)
 
     gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters  # torch >= 2.12; else expand the kv head
@@ -120,7 +120,9 @@ def bench_one(local: int, rank: int, heads: int, window: int | None, reps: int, 
         return out
 
     def cpkv(with_sinks: bool) -> Callable[[], torch.Tensor]:
-        return lambda: attend_prefix(q, kv, segments, spec=spec, backend=backend, sinks=sinks if with_sinks else None).out
+        return lambda: backend.varlen_attention(
+            q, kv[:, None], kv[:, None], segments, scale=dim**-0.5, window=window, sinks=sinks if with_sinks else None
+        ).out
 
     def fwd(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
         def run() -> Any:
@@ -173,7 +175,7 @@ def main() -> int:
     header = (f"# cpkv gpu_check\n\n{datetime.date.today()} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"{time.monotonic() - started:.0f} s\n")
     text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
-                      "\n## Varlen attention as attend_prefix calls it vs bare varlen_attn (bf16, D=128, MQA)\n", *bench, ""])
+                      "\n## Varlen attention as attention_forward calls it vs bare varlen_attn (bf16, D=128, MQA)\n", *bench, ""])
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.md").write_text(text)

@@ -12,7 +12,7 @@ installed: the repository root is put on ``sys.path``; no network). One NPU.
    kernels' documented limits: NO_COMPRESS modes use head dim 128 (npu_fusion_attention
    takes D <= 512); compressed modes use 512 value + 64 rope channels
    (npu_sparse_flash_attention's fixed MLA-absorb dims) and indexer head dim 128.
-2. Speed: varlen attention as ``attend_prefix`` calls it against a bare
+2. Speed: varlen attention as ``attention_forward`` calls it (``backend.varlen_attention``) against a bare
    ``npu_fusion_attention`` call on the same shapes (MQA shared kv, ``L`` local queries over
    a prefix of ``L * (r + 1)`` keys, D = 128, bf16, window None and 128), forward and
    forward+backward, with TFLOP/s over visible pairs (forward ``4 * D * H * pairs``,
@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cpkv.attention import AttentionSpec, attend_prefix  # noqa: E402
-from cpkv.attention_plan import plan_attention  # noqa: E402
+from cpkv.plan.attention import plan_attention  # noqa: E402
 from cpkv.backends import ReferenceBackend  # noqa: E402
 from cpkv.backends.npu import MASK_SIZE, NPUBackend  # noqa: E402
+from cpkv.collectives import Group  # noqa: E402
 from cpkv.v4 import V4Config  # noqa: E402
 from device_common import compare, run_layer, visible_pairs  # noqa: E402
 
@@ -64,8 +64,8 @@ BENCH = [(8192, 3, 16, None), (8192, 3, 16, 128), (16384, 1, 32, None), (16384, 
          (32768, 1, 32, None), (32768, 1, 32, 128), (65536, 1, 32, None), (65536, 1, 64, 128)]
 
 
-def check_mode(name: str, config: V4Config, device: torch.device) -> tuple[list[str], bool]:
-    exact = run_layer(config, torch.float64, ReferenceBackend(), torch.device("cpu"))
+def check_mode(name: str, config: V4Config, device: torch.device, cpu_group: Group) -> tuple[list[str], bool]:
+    exact = run_layer(config, torch.float64, ReferenceBackend(), torch.device("cpu"), cpu_group)  # hccl gathers no CPU tensors
     low = run_layer(config, torch.bfloat16, ReferenceBackend(), device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -78,12 +78,12 @@ def check_mode(name: str, config: V4Config, device: torch.device) -> tuple[list[
     return rows + mode_rows, ok and mode_ok
 
 
-def check_correctness(device: torch.device) -> tuple[list[str], bool]:
+def check_correctness(device: torch.device, cpu_group: Group) -> tuple[list[str], bool]:
     rows, ok = ["| mode | tensor | err npu bf16 | err reference bf16 | bound | ok |", "|---|---|---|---|---|---|"], True
     for name, config in CASES.items():
         print(f"correctness: {name} ...", flush=True)
         try:
-            mode_rows, mode_ok = check_mode(name, config, device)
+            mode_rows, mode_ok = check_mode(name, config, device, cpu_group)
         except Exception as err:  # report every mode, do not stop at the first kernel error
             traceback.print_exc()
             mode_rows, mode_ok = [f"| {name} | raised | {type(err).__name__}: {str(err)[:200]} | | | FAIL |"], False
@@ -107,12 +107,13 @@ def npu_time(fn: Callable[[], Any], reps: int) -> float:
 
 def bench_one(torch_npu: Any, local: int, rank: int, heads: int, window: int | None, reps: int, device: torch.device) -> str:
     dim, prefix = 128, local * (rank + 1)
+    # rank r of r + 1 ranks of one document: the segments attention_forward gives the kernel (all-gather exchange)
     segments = plan_attention(torch.tensor([0, prefix], device=device), rank + 1, rank).segments
     q = torch.randn(local, heads, dim, dtype=torch.bfloat16).to(device).requires_grad_(True)
     kv = torch.randn(prefix, dim, dtype=torch.bfloat16).to(device).requires_grad_(True)
     grad = torch.randn(local, heads, dim, dtype=torch.bfloat16).to(device)
     mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device).triu(1)
-    spec, backend = AttentionSpec(d_v=dim, window=window), NPUBackend(torch_npu)
+    backend = NPUBackend(torch_npu)
     mode = (3, 2147483647, 0) if window is None else (4, window - 1, 0)
 
     def bare() -> torch.Tensor:
@@ -123,7 +124,10 @@ def bench_one(torch_npu: Any, local: int, rank: int, heads: int, window: int | N
         return out
 
     def cpkv() -> torch.Tensor:
-        return attend_prefix(q, kv, segments, spec=spec, backend=backend).out
+        out: torch.Tensor = backend.varlen_attention(
+            q, kv[:, None], kv[:, None], segments, scale=dim**-0.5, window=window, sinks=None
+        ).out
+        return out
 
     def fwd(fn: Callable[[], torch.Tensor]) -> Callable[[], Any]:
         def run() -> Any:
@@ -165,7 +169,7 @@ def main() -> int:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)  # type: ignore[attr-defined]
         dist.init_process_group("hccl", store=store, rank=0, world_size=1)
         try:
-            rows, ok = check_correctness(device)
+            rows, ok = check_correctness(device, dist.new_group([0], backend="gloo"))
             print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
             for local, rank, heads, window in [] if args.skip_bench else BENCH[:2] if args.quick else BENCH:
                 if time.monotonic() - started > args.max_seconds:
@@ -178,7 +182,7 @@ def main() -> int:
     name = torch.npu.get_device_name(0)  # type: ignore[attr-defined]
     header = f"# cpkv npu_check\n\n{datetime.date.today()} on {name}, torch {torch.__version__}, torch_npu {torch_npu.__version__}\n"
     text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
-                      "\n## Varlen attention as attend_prefix calls it vs bare npu_fusion_attention (bf16, D=128, MQA)\n", *bench, ""])
+                      "\n## Varlen attention as attention_forward calls it vs bare npu_fusion_attention (bf16, D=128, MQA)\n", *bench, ""])
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "npu_check.md").write_text(text)

@@ -13,53 +13,60 @@ Pure, typed functions over tensors and explicit process groups:
 * collectives: :func:`gather_from_sp_cp`, :func:`global_num_seqs`,
   :func:`all_gather_qk_weight_kvallgather`;
 * DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`;
-* the pipeline: :func:`plan_attention`, :func:`attention_forward` (``exchange`` "allgather"
-  or "need", ``ring_degree`` rounds) and the zigzag variants;
-* the need-based exchange (:func:`plan_need_exchange`, :func:`exchange_rows`) and
+* the pipeline: :func:`plan_attention` (layout, exchange, ring rounds, compress ratios and
+  windows: the whole description of a micro-batch) and its one executor :func:`attention_forward`;
+* :func:`exchange_rows` (need-exchange routes), :func:`merge_partials` and
   :class:`BackwardOrder`, which keeps backward collectives in one order on every rank.
+
+What every operation means: docs/semantics.md.
 """
 
 from cpkv.attention import (
     AttentionOutput,
     AttentionSpec,
-    attend_prefix,
+    CompressorFn,
+    IndexerFn,
     attention_forward,
 )
-from cpkv.attention_zigzag import attention_forward_bsnd, attention_forward_zigzag_tnd
-from cpkv.attention_plan import (
-    AttentionPlan,
-    BSNDPlan,
-    SegmentPlan,
-    ZigzagTNDPlan,
-    plan_attention,
-    plan_attention_bsnd,
-    plan_attention_zigzag_tnd,
-    plan_segments,
-)
+from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName
+from cpkv.collectives import BackwardOrder, Group
 from cpkv.comm import (
-    BackwardOrder,
     IndexerInputs,
     all_gather_qk_weight_kvallgather,
     check_same_on_all_ranks,
     gather_from_sp_cp,
     global_num_seqs,
 )
-from cpkv.exchange import NeedPlan, Routes, exchange_rows, plan_need_exchange
-from cpkv.indexer_loss import IndexerLossConfig, sparse_attention_with_indexer_loss
 from cpkv.compress_mode import LayerCompressMode, effective_cmp_ratio
-from cpkv.layout import (
+from cpkv.exchange import exchange_rows
+from cpkv.merge import merge_partials
+from cpkv.plan import (
+    AttentionPlan,
+    CompressedPlan,
     CompressedSeqlens,
+    EntryVisibility,
+    Exchange,
+    KeyRanges,
+    Layout,
     PaddedDocuments,
+    PrefixKVPlan,
+    Routes,
+    SegmentPlan,
     actual_seq_len_to_cu_seqlens,
+    bsnd_cu_seqlens,
     compress_cu_seqlens,
+    compute_prefix_kv_cu_seqlens,
     cu_seqlens_to_actual_seq_len,
     pad_documents,
+    plan_attention,
+    plan_segments,
+    rearrange_prefix_kv,
     seqlens_to_cu_seqlens,
+    slice_tnd_kv_prefix,
     token_positions,
     validate_cu_seqlens,
 )
-from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
-from cpkv.sharding import (
+from cpkv.plan.sharding import (
     check_zigzag_tnd_lengths,
     contiguous_shard_range,
     permute_cp_shard,
@@ -74,31 +81,36 @@ from cpkv.sharding import (
     zigzag_tnd_index,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "AttentionBackend",
     "AttentionOutput",
     "AttentionPlan",
+    "AttentionResult",
     "AttentionSpec",
-    "BSNDPlan",
+    "BackendName",
     "BackwardOrder",
+    "CompressedPlan",
     "CompressedSeqlens",
+    "CompressorFn",
+    "EntryVisibility",
+    "Exchange",
+    "Group",
+    "IndexerFn",
     "IndexerInputs",
-    "IndexerLossConfig",
+    "KeyRanges",
     "LayerCompressMode",
-    "NeedPlan",
+    "Layout",
     "PaddedDocuments",
     "PrefixKVPlan",
     "Routes",
     "SegmentPlan",
-    "ZigzagTNDPlan",
     "actual_seq_len_to_cu_seqlens",
     "all_gather_qk_weight_kvallgather",
-    "attend_prefix",
-    "check_same_on_all_ranks",
     "attention_forward",
-    "attention_forward_bsnd",
-    "attention_forward_zigzag_tnd",
+    "bsnd_cu_seqlens",
+    "check_same_on_all_ranks",
     "check_zigzag_tnd_lengths",
     "compress_cu_seqlens",
     "compute_prefix_kv_cu_seqlens",
@@ -108,12 +120,10 @@ __all__ = [
     "exchange_rows",
     "gather_from_sp_cp",
     "global_num_seqs",
+    "merge_partials",
     "pad_documents",
     "permute_cp_shard",
     "plan_attention",
-    "plan_attention_bsnd",
-    "plan_attention_zigzag_tnd",
-    "plan_need_exchange",
     "plan_segments",
     "rearrange_prefix_kv",
     "seqlens_to_cu_seqlens",
@@ -121,7 +131,6 @@ __all__ = [
     "shard_zigzag",
     "shard_zigzag_tnd",
     "slice_tnd_kv_prefix",
-    "sparse_attention_with_indexer_loss",
     "token_positions",
     "unshard_contiguous",
     "unshard_zigzag",

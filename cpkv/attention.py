@@ -1,15 +1,19 @@
-"""``attention_forward``: prefix attention of one CP rank, in every compress mode.
+"""``attention_forward``: the one executor of an :class:`~cpkv.plan.attention.AttentionPlan`.
 
-The pipeline (contiguous TND, ``"allgather"`` exchange as MindSpeed does it):
+Per layer call, in every layout, exchange and compress mode:
 
-1. plan once per micro-batch (:func:`~cpkv.attention_plan.plan_attention`), or take the caller's plan;
-2. gather the shared kv (and, for compressed layers, the compressor inputs) over the CP
-   group with :func:`~cpkv.comm.gather_from_sp_cp` and take the rank's causal prefix
-   with :func:`~cpkv.plan.rearrange_prefix_kv` (a view);
-3. :func:`attend_prefix`: compress the prefix (compressed cu_seqlens from the **kv**
-   lengths), select entries with the indexer (INDEXER), and call the backend op.
+1. check every argument against the plan and the spec (shapes only: no host sync, the
+   same outcome on every rank, before any collective);
+2. build the rank's kv buffer as the plan says (a slice or rows of the all-gathered kv, or
+   the need-exchange halo in front of the rank's own rows, or only its own rows when ring
+   rounds bring the rest);
+3. compressed layers: compress (the prefix under ``"allgather"``; only the rank's own
+   blocks under ``"need"``, then entries travel to the ranks that see them) and, for
+   INDEXER layers, score and select entries;
+4. attend through the backend's primitives, merge ring rounds by LSE, attach the indexer
+   loss, and tie the backward-order token to the output.
 
-Every check runs before the first collective, identically on every rank.
+Everything per-batch (segments, routes, rounds, visibility) is plan data.
 """
 
 from __future__ import annotations
@@ -21,24 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpkv._checks import check_int, check_ndim, check_tensor
-from cpkv.attention_plan import (
-    AttentionPlan,
-    CompressedPlan,
-    SegmentPlan,
-    plan_attention,
-)
-from cpkv.backends import AttentionBackend, get_backend
-from cpkv.comm import BackwardOrder, Group, gather_from_sp_cp
-from cpkv.exchange import NeedPlan, exchange_rows, start_exchange
+from cpkv.backends import get_backend
+from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName
+from cpkv.checks import check_int, check_ndim, check_tensor
+from cpkv.collectives import BackwardOrder, Group
+from cpkv.comm import gather_from_sp_cp
 from cpkv.compress_mode import LayerCompressMode
-from cpkv.indexer_loss import IndexerLossConfig, attach_indexer_loss
-from cpkv.layout import validate_cu_seqlens
-from cpkv.plan import rearrange_prefix_kv
-from cpkv.ring import merge_partials, ring_rounds, selected_probs
-
-
-EXCHANGES = ("allgather", "need")
+from cpkv.exchange import exchange_rows
+from cpkv.indexer_loss import attach_indexer_loss
+from cpkv.merge import merge_partials
+from cpkv.plan.attention import AttentionPlan, KVSource
+from cpkv.plan.segments import CompressedPlan
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,7 @@ class AttentionSpec:
         """Raise ``ValueError``/``TypeError`` for inconsistent options."""
         check_int("spec.d_v", self.d_v, minimum=1)
         check_int("spec.topk", self.topk, minimum=1)
+        check_int("spec.compress_ratio", self.compress_ratio, minimum=0)
         if self.window is not None:
             check_int("spec.window", self.window, minimum=1)
         elif self.mode.compresses:
@@ -76,13 +74,13 @@ class AttentionSpec:
 
 
 class CompressorFn(Protocol):
-    """Maps packed kv-prefix inputs ``[T_kv, hidden]`` to entries ``[N_c, D]`` (or ``None``)."""
+    """Maps compressor inputs ``[N_in, hidden]`` and a :class:`CompressedPlan` to entries ``[N_c, D]`` (or ``None``)."""
 
     def __call__(self, x: Tensor, plan: CompressedPlan, /) -> Tensor | None: ...
 
 
 class IndexerFn(Protocol):
-    """The lightning indexer: queries from local inputs, keys from the prefix inputs."""
+    """The lightning indexer: queries from the local inputs, keys from a compressor input buffer."""
 
     @property
     def ratio(self) -> int: ...
@@ -96,10 +94,10 @@ class AttentionOutput(NamedTuple):
     """Result of :func:`attention_forward`.
 
     Attributes:
-        out: ``[T_q, H, d_v]`` attention output of the rank's queries.
+        out: ``[T/cp, H, d_v]`` attention output of the rank's queries.
         indexer_loss: ``sum_t KL_t`` over the rank's queries (0-d fp32, detached, for
-            logging) in INDEXER layers, else ``None``.
-        effective_ratio: the ratio actually used (1 when the compressor returned ``None``).
+            logging) in INDEXER layers with entries, else ``None``.
+        effective_ratio: the ratio actually used (1 when no entry exists on this rank).
     """
 
     out: Tensor
@@ -108,175 +106,134 @@ class AttentionOutput(NamedTuple):
 
 
 class IndexerTensors(NamedTuple):
-    """The indexer's inputs for one attention call (all computed from detached inputs).
-
-    Attributes:
-        q_index: ``[T_q, H_I, D_I]``; weights: ``[T_q, H_I]``; k_index: ``[N_c, D_I]`` keys of
-            the same compressed entries (same order) as the main compressed kv.
-    """
+    """The indexer's queries ``[T_q, H_I, D_I]``, weights ``[T_q, H_I]`` and keys ``[N_c, D_I]`` (detached inputs)."""
 
     q_index: Tensor
     weights: Tensor
     k_index: Tensor
 
 
-def attend_prefix(
-    q: Tensor, kv: Tensor, segments: SegmentPlan, *, spec: AttentionSpec, backend: AttentionBackend,
-    sinks: Tensor | None = None, compressed: Tensor | None = None, indexer_tensors: IndexerTensors | None = None,
-    kv_offset: int = 0, varlen_segments: SegmentPlan | None = None,
-    grad_scale: float = 1.0, num_global_queries: int = 1,
-) -> AttentionOutput:
-    """Attention of queries over their causal kv prefix and the prefix's compressed entries.
-
-    Args:
-        q: ``[T_q, H, D]`` queries (RoPE applied).
-        kv: ``[T_kv - kv_offset, D]`` shared kv of the prefix segments of ``segments``,
-            possibly without its first ``kv_offset`` rows (keys no query can see).
-        segments: the :class:`SegmentPlan` pairing queries with prefixes (planned with
-            ``spec.compress_ratio`` for compressed layers).
-        compressed: ``[N_c, D]`` compressed entries of the prefix segments in plan order
-            (compressed layers), or ``None``: the layer then runs as NO_COMPRESS (ratio 1).
-        indexer_tensors: the indexer's queries, weights and keys (INDEXER layers).
-        kv_offset: prefix rows missing at the front of ``kv``.
-        varlen_segments: segments over ``kv`` for the varlen kernel when ``kv_offset > 0``.
-        grad_scale, num_global_queries: the indexer-loss gradient factor ``grad_scale / N``.
-    """
-    scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
-    mode = spec.mode
-    if compressed is None or spec.window is None or not mode.compresses:
-        # NO_COMPRESS, or no full block in the prefix: the effective ratio is 1.
-        result = backend.varlen_attention(
-            q, kv[:, None], kv[:, None, : spec.d_v], varlen_segments or segments,
-            scale=scale, window=spec.window, sinks=sinks,
-        )
-        return AttentionOutput(result.out, None, 1)
-    cmp_plan = segments.compressed_for(spec.compress_ratio)
-    kv_all = torch.cat([kv, compressed.to(kv.dtype)])
-    window_rows = segments.window_indices(spec.window)
-    window_rows = torch.where(window_rows >= 0, window_rows - kv_offset, -1)
-    if mode is LayerCompressMode.COMPRESSOR_ONLY:
-        indices = torch.cat([window_rows, cmp_plan.visible_indices(offset=kv.shape[0])], dim=1)
-        result = backend.sparse_attention(q, kv_all, indices, segments, d_v=spec.d_v, scale=scale, sinks=sinks)
-        return AttentionOutput(result.out, None, spec.compress_ratio)
-    if indexer_tensors is None:
-        raise ValueError("INDEXER layers need the indexer's tensors (indexer_tensors)")
-    q_index, weights, k_index = indexer_tensors
-    with torch.no_grad():
-        selected = backend.indexer_topk(q_index, k_index, weights, segments, cmp_plan, topk=spec.topk)
-    indices = torch.cat([window_rows, torch.where(selected >= 0, selected + kv.shape[0], -1)], dim=1)
-    config = IndexerLossConfig(
-        d_v=spec.d_v, scale=scale, num_window=spec.window, grad_scale=grad_scale, num_global_queries=num_global_queries
-    )
-    res = backend.sparse_attention_with_indexer_loss(
-        q, kv_all, indices, selected, q_index, k_index, weights, segments, sinks=sinks, config=config
-    )
-    return AttentionOutput(res.out, res.loss, spec.compress_ratio)
+def _prefix_rows(gathered: Tensor, plan: AttentionPlan) -> Tensor:
+    """The rank's prefix buffer from a natural-order (contiguous) or rank-major (zigzag) all-gather."""
+    if plan.gather_rows is not None:
+        return gathered.index_select(0, plan.gather_rows.to(gathered.device))
+    assert plan.prefix is not None  # contiguous layout (plan invariant)
+    return gathered.narrow(0, plan.prefix.kv_start, plan.prefix.kv_len)
 
 
-def _compress_gathered(
-    segments: SegmentPlan, spec: AttentionSpec, hidden: Tensor | None, hidden_prefix: Tensor | None,
-    compressor: CompressorFn | None, indexer: IndexerFn | None,
+def _kv_buffer(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, order: BackwardOrder) -> Tensor:
+    if plan.exchange == "allgather":
+        return _prefix_rows(gather_from_sp_cp(kv, group, tnd=True, order=order), plan)
+    if source.halo is None:
+        return kv
+    return torch.cat([exchange_rows(kv, source.halo, group, order=order), kv])
+
+
+def _entries(
+    plan: AttentionPlan, spec: AttentionSpec, hidden: Tensor, compressor: CompressorFn, indexer: IndexerFn | None,
+    kv: Tensor, group: Group, order: BackwardOrder,
 ) -> tuple[Tensor | None, IndexerTensors | None]:
-    """Compressed entries (and indexer tensors) recomputed from the gathered prefix inputs."""
-    if not spec.mode.compresses or compressor is None or hidden_prefix is None:
-        return None, None
-    cmp_plan = segments.compressed_for(spec.compress_ratio)
-    compressed = compressor(hidden_prefix, cmp_plan)
-    if compressed is None or spec.mode is not LayerCompressMode.INDEXER or indexer is None or hidden is None:
-        return compressed, None
-    q_index, weights = indexer.queries(hidden.detach(), segments.q_positions)
-    k_index = indexer.keys(hidden_prefix.detach(), segments.compressed_for(indexer.ratio))
-    if k_index is None:
-        raise ValueError("the indexer's compressor returned None while the main compressor did not")
-    return compressed, IndexerTensors(q_index, weights, k_index)
-
-
-def _compress_exchanged(
-    need: NeedPlan, segments: SegmentPlan, spec: AttentionSpec, hidden: Tensor | None, width: int,
-    kv_dtype: torch.dtype, compressor: CompressorFn | None, indexer: IndexerFn | None, group: Group,
-    order: BackwardOrder,
-) -> tuple[Tensor | None, IndexerTensors | None]:
-    """Compress the rank's own blocks, then exchange entries (never another rank's blocks)."""
-    if not spec.mode.compresses or compressor is None or hidden is None:
-        return None, None
-    plan = need.compressed[spec.compress_ratio]
-    halo = exchange_rows(hidden, plan.hidden, group, order=order)
-    local_inputs = torch.cat([halo, hidden])
-    # Every rank must send the same dtype: entries travel in the kv dtype (what attention
-    # uses them in), indexer keys in the compressor's fp32 (fp64) compute dtype.
-    owned = compressor(local_inputs, plan.owned)
-    owned = owned.to(kv_dtype) if owned is not None else local_inputs.new_zeros((0, width), dtype=kv_dtype)
-    compressed = torch.cat([exchange_rows(owned, plan.entries, group, order=order), owned])
-    tensors = None
-    if spec.mode is LayerCompressMode.INDEXER and indexer is not None:
-        q_index, weights = indexer.queries(hidden.detach(), segments.q_positions)
-        own_keys = indexer.keys(local_inputs.detach(), plan.owned)
-        key_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        own_keys = own_keys.to(key_dtype) if own_keys is not None else hidden.new_zeros((0, q_index.shape[-1]), dtype=key_dtype)
-        keys = torch.cat([exchange_rows(own_keys, plan.entries, group, order=order), own_keys])
-        tensors = IndexerTensors(q_index, weights, keys)
-    return (compressed if compressed.shape[0] else None), tensors
+    """Compressed entries of the rank's prefix in plan order (and the indexer's tensors)."""
+    ratio = spec.compress_ratio
+    wants_index = spec.mode is LayerCompressMode.INDEXER and indexer is not None
+    if plan.exchange == "allgather":
+        inputs = _prefix_rows(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan)
+        blocks = plan.segments.compressed_for(ratio)
+        entries = compressor(inputs, blocks)
+        keys = indexer.keys(inputs.detach(), blocks) if wants_index and indexer is not None and entries is not None else None
+    else:
+        routes = plan.compressed[ratio]
+        inputs = torch.cat([exchange_rows(hidden, routes.hidden, group, order=order), hidden])
+        # Every rank sends the same dtype: entries in the kv dtype (what attention uses them in),
+        # indexer keys in the compressor's fp32 (fp64) compute dtype.
+        owned = compressor(inputs, routes.owned)
+        owned = owned.to(kv.dtype) if owned is not None else kv.new_zeros((0, kv.shape[-1]))
+        entries = torch.cat([exchange_rows(owned, routes.entries, group, order=order), owned])
+        keys = None
+        if wants_index and indexer is not None:
+            key_dtype = torch.promote_types(hidden.dtype, torch.float32)
+            own_keys = indexer.keys(inputs.detach(), routes.owned)
+            own_keys = own_keys.to(key_dtype) if own_keys is not None else hidden.new_zeros((0, 0), dtype=key_dtype)
+            keys = torch.cat([exchange_rows(own_keys, routes.entries, group, order=order), own_keys])
+        entries = entries if entries.shape[0] else None
+    if entries is None or keys is None or indexer is None:
+        return entries, None
+    q_index, weights = indexer.queries(hidden.detach(), plan.q_positions)
+    return entries, IndexerTensors(q_index, weights, keys)
 
 
 def _check_inputs(
-    q: Tensor, kv: Tensor, hidden: Tensor | None, spec: AttentionSpec, local_len: int,
-    compressor: CompressorFn | None, indexer: IndexerFn | None,
+    q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, spec: AttentionSpec, sinks: Tensor | None,
+    hidden: Tensor | None, compressor: CompressorFn | None, indexer: IndexerFn | None, backend: AttentionBackend,
 ) -> None:
-    check_tensor("q", q)
-    check_tensor("kv", kv)
-    check_ndim("q", q, 3, "[T/cp, H, D]")
-    check_ndim("kv", kv, 2, "[T/cp, D] (one shared kv head)")
+    """Every check of a layer call: shapes and plan fields only (no host sync, identical on every rank)."""
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan from cpkv.plan_attention, got {type(plan).__name__}")
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     spec.validate()
-    if q.shape[0] != local_len or kv.shape[0] != local_len:
-        raise ValueError(f"q and kv must hold this rank's {local_len} tokens (T / cp), got {q.shape[0]} and {kv.shape[0]}")
+    check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
+    check_ndim("kv", check_tensor("kv", kv), 2, "[T/cp, D] (one shared kv head)")
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    if (plan.cp_size, plan.cp_rank) != (cp_size, cp_rank):
+        raise ValueError(f"plan was made for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}; the group has size {cp_size}, rank {cp_rank}")
+    if q.shape[0] != plan.local_len or kv.shape[0] != plan.local_len:
+        raise ValueError(f"q and kv must hold this rank's {plan.local_len} tokens (plan.local_len), got {q.shape[0]} and {kv.shape[0]}")
     if kv.shape[-1] != q.shape[-1] or spec.d_v > kv.shape[-1]:
         raise ValueError(f"kv must be [T/cp, D] with D = q's {q.shape[-1]} and >= spec.d_v {spec.d_v}, got {tuple(kv.shape)}")
-    if spec.mode.compresses:
-        if compressor is None or hidden is None:
-            raise ValueError(f"compressor and hidden are required for {spec.mode.name} layers (compress_ratio={spec.compress_ratio})")
-        check_ndim("hidden", hidden, 2, "[T/cp, hidden]")
-        if hidden.shape[0] != local_len:
-            raise ValueError(f"hidden must hold this rank's {local_len} tokens, got {hidden.shape[0]}")
-    if spec.mode is LayerCompressMode.INDEXER and indexer is None:
-        raise ValueError("indexer is required for INDEXER layers (compress_ratio=4)")
+    if kv.dtype != q.dtype or kv.device != q.device:
+        raise TypeError(f"kv must have q's dtype and device ({q.dtype}, {q.device}), got {kv.dtype}, {kv.device}")
+    if sinks is not None:
+        check_ndim("sinks", check_tensor("sinks", sinks), 1, f"[H] = [{q.shape[1]}]")
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks must be [H] = [{q.shape[1]}], got {tuple(sinks.shape)}")
+    plan.kv_source(spec.window)  # raises for a window the need plan lacks
+    if plan.ring_degree > 1 and backend.name == "npu":
+        raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; plan with 1")
+    if not spec.mode.compresses:
+        return
+    if spec.compress_ratio not in plan.compress_ratios:
+        raise ValueError(
+            f"spec.compress_ratio={spec.compress_ratio} was not planned (plan.compress_ratios={plan.compress_ratios}):"
+            " pass it in plan_attention(..., compress_ratios=[...])"
+        )
+    if compressor is None or hidden is None:
+        raise ValueError(f"compressor and hidden are required for {spec.mode.name} layers (compress_ratio={spec.compress_ratio})")
+    check_ndim("hidden", check_tensor("hidden", hidden), 2, "[T/cp, hidden]")
+    if hidden.shape[0] != plan.local_len:
+        raise ValueError(f"hidden must hold this rank's {plan.local_len} tokens (plan.local_len), got {hidden.shape[0]}")
+    if spec.mode is LayerCompressMode.INDEXER:
+        if indexer is None:
+            raise ValueError(f"indexer is required for INDEXER layers (compress_ratio={spec.compress_ratio})")
+        if indexer.ratio != spec.compress_ratio:
+            raise ValueError(f"indexer.ratio ({indexer.ratio}) must equal spec.compress_ratio ({spec.compress_ratio})")
 
 
 def attention_forward(
-    q: Tensor, kv: Tensor, cu_seqlens: Tensor, group: Group, *, spec: AttentionSpec,
+    q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, *, spec: AttentionSpec,
     sinks: Tensor | None = None, hidden: Tensor | None = None, compressor: CompressorFn | None = None,
-    indexer: IndexerFn | None = None, plan: AttentionPlan | None = None,
-    backend: str | AttentionBackend = "reference", ring_degree: int = 1, grad_scale: float = 1.0,
-    exchange: str = "allgather",
+    indexer: IndexerFn | None = None, backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
 ) -> AttentionOutput:
-    """Prefix attention of this rank's contiguous TND shard.
+    """Prefix attention of this rank's shard, exactly as ``plan`` describes the micro-batch.
 
     Args:
-        q: ``[T/cp, H, D]`` this rank's queries, RoPE applied at document positions
-            (``plan.segments.q_positions``).
+        q: ``[T/cp, H, D]`` this rank's queries in shard order, RoPE applied at
+            ``plan.q_positions``.
         kv: ``[T/cp, D]`` this rank's shared kv (one head; values are its first ``spec.d_v``
-            channels), RoPE applied.
-        cu_seqlens: ``[B + 1]`` **global** leading-zero cu_seqlens of the micro-batch.
-        group: the CP group (``None``: the default group).
+            channels), RoPE applied; q's dtype and device.
+        plan: this rank's :class:`~cpkv.plan.attention.AttentionPlan` (:func:`cpkv.plan_attention`,
+            once per micro-batch, with this layer's ratio in ``compress_ratios`` and, for
+            ``exchange="need"``, its window in ``windows``). The only description of the batch.
+        group: the CP group (``None``: the default group); its size and rank must be the plan's.
         spec: the layer's :class:`AttentionSpec`.
         sinks: ``[H]`` per-head sink logits, or ``None``.
         hidden: ``[T/cp, hidden]`` this rank's compressor / indexer inputs (compressed modes).
-        compressor, indexer: the layer's modules (compressed modes / INDEXER).
-        plan: this rank's :class:`AttentionPlan`, computed once per micro-batch with
-            ``compress_ratios`` covering this layer; built here when ``None``. With a plan,
-            ``cu_seqlens`` is only checked for its length (no host sync per layer); the
-            local token counts of ``q`` and ``kv`` then pin ``T``.
+        compressor, indexer: the layer's modules (compressed modes / INDEXER); see
+            docs/semantics.md for their protocols.
         backend: ``"reference"``, ``"cuda"``, ``"npu"``, ``"auto"`` (by ``q.device``) or an
-            :class:`AttentionBackend` instance (create it once per model so that fallback
-            warnings appear once).
-        ring_degree: ``R > 1`` (with ``exchange="need"`` and a plan made with the same
-            ``ring_degree``) receives the remote prefix kv in ``R`` rounds overlapped with
-            attention and merges the partial results exactly (:mod:`cpkv.ring`).
+            :class:`~cpkv.backends.base.AttentionBackend` instance (create it once per model so
+            that fallback warnings appear once).
         grad_scale: multiplies the indexer-loss gradients (kept per call in autograd ctx).
-        exchange: ``"allgather"`` (every rank gathers all kv and compressor inputs and
-            recompresses its whole prefix, as MindSpeed does) or ``"need"`` (only the rows
-            the rank needs: the window halo or the first document's earlier part, the
-            compressor-input halo of its own blocks, and compressed entries owned by earlier
-            ranks; see :mod:`cpkv.exchange`). Identical results.
 
     Returns:
         :class:`AttentionOutput` with ``out`` ``[T/cp, H, d_v]``. Backward flows to ``q``,
@@ -284,121 +241,60 @@ def attention_forward(
         not detached; the indexer sees detached inputs and learns from its KL loss).
 
     Raises:
-        ValueError, TypeError: bad shapes, inconsistent spec/modules/plan, ``T % cp != 0``,
-            ``ring_degree > 1`` without ``exchange="need"``, a plan without the requested routes
-            or rounds, the NPU backend with rounds; raised on every rank before any collective.
+        ValueError, TypeError: bad shapes or dtypes, inconsistent spec/modules/plan, a plan
+            for another group position, a ratio or need window the plan lacks, ring rounds
+            with the NPU backend; raised on every rank before any collective.
+
+    Example:
+        >>> plan = plan_attention(cu_seqlens, cp_size, cp_rank, compress_ratios=[4])  # doctest: +SKIP
+        >>> out = attention_forward(q, kv, plan, group, spec=AttentionSpec(d_v=448)).out  # doctest: +SKIP
     """
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if check_int("ring_degree", ring_degree, minimum=1) != 1 and exchange != "need":
-        raise ValueError(f"ring_degree={ring_degree} splits the need-based exchange: pass exchange='need'")
-    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    ratios = [spec.compress_ratio] if spec.mode.compresses else []
-    if plan is None:
-        validate_cu_seqlens(cu_seqlens)
-        plan = plan_attention(
-            cu_seqlens, cp_size, cp_rank, compress_ratios=ratios,
-            need_windows=[spec.window] if exchange == "need" else None, ring_degree=ring_degree,
-        )
-    else:  # the plan holds the validated values: check against it without a host sync per layer
-        _check_plan_matches(plan.cp_size, plan.cp_rank, plan.num_documents, cp_size, cp_rank, cu_seqlens)
-    _check_inputs(q, kv, hidden, spec, plan.prefix.local_len, compressor, indexer)
-    kv_offset, varlen_segments, order = 0, None, BackwardOrder(q.device)
-    ops = get_backend(backend, q.device)
-    if ring_degree > 1:
-        if ops.name == "npu":
-            raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; use 1")
-        need = _need_plan(plan, spec, ring_degree)
-        compressed, tensors = _compress_exchanged(
-            need, plan.segments, spec, hidden, kv.shape[-1], kv.dtype, compressor, indexer, group, order
-        )
-        result = _ring_forward(q, kv, plan, need, spec, ops, sinks, compressed, tensors, group, order, grad_scale)
-        return result._replace(out=order.attach(result.out))
-    if exchange == "need":
-        need = _need_plan(plan, spec, 1)
-        kv_buffer = torch.cat([exchange_rows(kv, need.kv[spec.window], group, order=order), kv])
-        kv_offset, varlen_segments = need.kv_offset[spec.window], need.window_segments[spec.window]
-        compressed, tensors = _compress_exchanged(
-            need, plan.segments, spec, hidden, kv.shape[-1], kv.dtype, compressor, indexer, group, order
-        )
-    else:
-        kv_buffer = rearrange_prefix_kv(gather_from_sp_cp(kv, group, tnd=True, order=order), plan.prefix)
-        hidden_prefix = None
-        if spec.mode.compresses and hidden is not None:
-            hidden_prefix = rearrange_prefix_kv(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan.prefix)
-        compressed, tensors = _compress_gathered(plan.segments, spec, hidden, hidden_prefix, compressor, indexer)
-    result = attend_prefix(
-        q, kv_buffer, plan.segments, spec=spec, backend=ops, sinks=sinks, compressed=compressed,
-        indexer_tensors=tensors, kv_offset=kv_offset, varlen_segments=varlen_segments, grad_scale=grad_scale,
-        num_global_queries=plan.num_global_queries,
-    )
-    return result._replace(out=order.attach(result.out))
-
-
-def _check_plan_matches(
-    plan_cp_size: int, plan_cp_rank: int, plan_documents: int, cp_size: int, cp_rank: int, cu_seqlens: Tensor
-) -> None:
-    """Raise ``ValueError`` if a caller's plan was made for another group position or batch shape."""
-    check_ndim("cu_seqlens", check_tensor("cu_seqlens", cu_seqlens), 1, "[B + 1] (1-D, leading 0)")
-    if (plan_cp_size, plan_cp_rank, plan_documents) != (cp_size, cp_rank, cu_seqlens.numel() - 1):
-        raise ValueError(
-            f"plan was made for cp_size={plan_cp_size}, cp_rank={plan_cp_rank}, B={plan_documents} documents;"
-            f" this call has cp_size={cp_size}, cp_rank={cp_rank}, B={cu_seqlens.numel() - 1}"
-        )
-
-
-def _need_plan(plan: AttentionPlan, spec: AttentionSpec, ring_degree: int) -> NeedPlan:
-    """The plan's need-based routes for this layer, or a ``ValueError`` saying what to plan."""
-    need = plan.need
-    if need is None or spec.window not in need.kv or (spec.mode.compresses and spec.compress_ratio not in need.compressed):
-        ratios = f" and compress_ratios containing {spec.compress_ratio}" if spec.mode.compresses else ""
-        raise ValueError(
-            f"exchange='need' needs a plan made with need_windows containing {spec.window}{ratios}:"
-            " plan_attention(..., need_windows=[...])"
-        )
-    planned = len(need.kv_rounds[spec.window]) or 1
-    if planned != ring_degree:
-        raise ValueError(f"ring_degree={ring_degree} but the plan has {planned} round(s): plan_attention(..., ring_degree=...)")
-    return need
-
-
-def _ring_forward(
-    q: Tensor, kv: Tensor, plan: AttentionPlan, need: NeedPlan, spec: AttentionSpec, backend: AttentionBackend,
-    sinks: Tensor | None, compressed: Tensor | None, tensors: IndexerTensors | None, group: Group,
-    order: BackwardOrder, grad_scale: float,
-) -> AttentionOutput:
-    """Local partial (own rows, compressed entries) + remote rounds, merged by LSE (:mod:`cpkv.ring`)."""
+    ops = get_backend(backend, q.device if isinstance(q, Tensor) else None)
+    _check_inputs(q, kv, plan, group, spec, sinks, hidden, compressor, indexer, ops)
+    order = BackwardOrder(q, kv)
+    source = plan.kv_source(spec.window)
+    kv_buffer = _kv_buffer(kv, plan, source, group, order)
+    entries, index = None, None
+    if spec.mode.compresses and compressor is not None and hidden is not None:
+        entries, index = _entries(plan, spec, hidden, compressor, indexer, kv, group, order)
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
-    pending = start_exchange(kv, need.kv_rounds[spec.window][0].routes, group)  # overlaps the local partial
-    segments, mode = plan.segments, spec.mode
-    kv_all, selected, indices = kv, None, None
-    if compressed is None or spec.window is None or not mode.compresses:
-        local = backend.varlen_attention(
-            q, kv[:, None], kv[:, None, : spec.d_v], need.local_segments, scale=scale, window=spec.window, sinks=None
+    local_sinks = sinks if not source.rounds else None
+    kv_all, selected = kv_buffer, None
+    if entries is None:  # NO_COMPRESS, or no entry on this rank: the effective ratio is 1
+        local = ops.varlen_attention(
+            q, kv_buffer[:, None], kv_buffer[:, None, : spec.d_v], source.segments,
+            scale=scale, window=spec.window, sinks=local_sinks,
         )
         ratio = 1
     else:
-        cmp_plan = segments.compressed_for(spec.compress_ratio)
-        kv_all = torch.cat([kv, compressed.to(kv.dtype)])
-        rows = segments.window_indices(spec.window) - need.local_offset
-        rows = torch.where(rows >= 0, rows, -1)  # earlier rows come from the remote rounds
-        if mode is LayerCompressMode.INDEXER and tensors is not None:
-            with torch.no_grad():
-                selected = backend.indexer_topk(
-                    tensors.q_index, tensors.k_index, tensors.weights, segments, cmp_plan, topk=spec.topk
-                )
-            indices = torch.where(selected >= 0, selected + kv.shape[0], -1)
+        assert spec.window is not None  # spec.validate: compressed layers have a window
+        kv_all = torch.cat([kv_buffer, entries.to(kv.dtype)])
+        visible = plan.segments.visible_for(spec.compress_ratio)
+        if index is None:
+            cmp_rows = visible.visible_indices(offset=kv_buffer.shape[0])
         else:
-            indices = cmp_plan.visible_indices(offset=kv.shape[0])
-        local = backend.sparse_attention(q, kv_all, torch.cat([rows, indices], 1), segments, d_v=spec.d_v, scale=scale, sinks=None)
+            with torch.no_grad():
+                picked = ops.indexer_topk(index.q_index, index.k_index, index.weights, plan.segments, visible, topk=spec.topk)
+            cmp_rows = torch.where(picked >= 0, picked + kv_buffer.shape[0], -1)
+            selected = picked
+        indices = torch.cat([plan.segments.window_indices(spec.window, offset=source.offset), cmp_rows], dim=1)
+        local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
         ratio = spec.compress_ratio
-    remote, _peak = ring_rounds(q, kv, plan, need, group, order, pending, window=spec.window, d_v=spec.d_v, scale=scale)
-    merged = merge_partials([local, *remote], sinks)
-    if selected is None or indices is None or tensors is None:
-        return AttentionOutput(merged.out, None, ratio)
-    config = IndexerLossConfig(
-        d_v=spec.d_v, scale=scale, num_window=0, grad_scale=grad_scale, num_global_queries=plan.num_global_queries
-    )
-    probs = selected_probs(q, kv_all, indices, merged.lse, scale)
-    res = attach_indexer_loss(merged.out, tensors.q_index, tensors.k_index, tensors.weights, selected, probs, config=config)
-    return AttentionOutput(res.out, res.loss, ratio)
+    result = local
+    if source.rounds:
+        parts = [local]
+        for ring_round in source.rounds:
+            rows = exchange_rows(kv, ring_round.routes, group, order=order)
+            if ring_round.ranges.num_rows and ring_round.ranges.num_keys:  # empty rounds make no call
+                parts.append(ops.range_attention(q, rows[:, None], rows[:, None, : spec.d_v], ring_round.ranges, scale=scale))
+        result = merge_partials(parts, sinks)
+    loss = None
+    if selected is not None and index is not None:
+        with torch.no_grad():
+            probs = ops.selected_probs(q.detach(), kv_all.detach(), cmp_rows, result.lse.detach(), scale=scale)
+        attached = attach_indexer_loss(
+            result.out, index.q_index, index.k_index, index.weights, selected, probs,
+            grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
+        )
+        result, loss = AttentionResult(attached.out, result.lse), attached.loss
+    return AttentionOutput(order.attach(result.out), loss, ratio)

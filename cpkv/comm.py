@@ -1,4 +1,4 @@
-"""Collectives over explicit process groups, differentiable where needed (SEMANTICS section 4).
+"""Collectives over explicit process groups, differentiable where needed (docs/semantics.md, "Collectives").
 
 Every function takes its process group as an argument; nothing here keeps state.
 The differentiable gather's backward is its adjoint, a reduce-scatter (sum) of the
@@ -7,104 +7,20 @@ gradient back to the owners.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from cpkv._checks import check_dim, check_int, check_tensor
-from cpkv.sharding import permute_cp_shard, zigzag_gather_index
+from cpkv.checks import check_dim, check_int, check_tensor
+from cpkv.collectives import BackwardOrder, Group, all_gather
+from cpkv.plan.sharding import permute_cp_shard
 
-Group = ProcessGroup | None
-"""A process group; ``None`` means the default (world) group."""
-
-
-def _all_gather_flat(output: Tensor, tensor: Tensor, group: Group) -> None:
-    """``all_gather_into_tensor`` under its torch >= 2.13 name when present (no FutureWarning)."""
-    gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
-
-
-def _reduce_scatter_flat(output: Tensor, tensor: Tensor, group: Group) -> None:
-    """``reduce_scatter_tensor`` (sum) under its torch >= 2.13 name when present."""
-    scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, tensor, op=dist.ReduceOp.SUM, group=group)
-
-
-def all_gather_tokens(x: Tensor, group: Group) -> Tensor:
-    """Non-differentiable all-gather along dim 0: ``[n, ...] -> [world * n, ...]`` rank-major."""
-    world = dist.get_world_size(group)
-    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _all_gather_flat(out, x.contiguous(), group)
-    return out
-
-
-def reduce_scatter_tokens(x: Tensor, group: Group) -> Tensor:
-    """Non-differentiable reduce-scatter (sum) along dim 0: ``[world * n, ...] -> [n, ...]``."""
-    world = dist.get_world_size(group)
-    if x.shape[0] % world != 0:
-        raise ValueError(f"reduce_scatter_tokens: dim 0 ({x.shape[0]}) is not divisible by the group size {world}")
-    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _reduce_scatter_flat(out, x.contiguous(), group)
-    return out
-
-
-class BackwardOrder:
-    """Makes the backward collectives of one computation run in one order on every rank.
-
-    A differentiable collective issues its backward collective when autograd reaches it,
-    and autograd's order depends on the graph, which can differ between ranks (one rank's
-    compressor returns ``None``, another's does not). Ranks would then issue different
-    collectives and hang or exchange garbage. Threading a token through every collective of
-    the computation (``order=``) makes collective ``k-1``'s backward wait for collective
-    ``k``'s, and :meth:`attach` ties the last token to the output, so every rank runs every
-    backward collective, in the reverse of the forward order. One instance per layer call.
-    """
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        # The first token requires grad, so every chained collective is recorded by autograd
-        # even where its own input does not require grad (a rank with nothing to send).
-        self.token = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
-
-    def attach(self, out: Tensor) -> Tensor:
-        """``out`` unchanged; its backward first runs the chain of collectives."""
-        if not self.token.requires_grad:
-            return out
-        attached: Tensor = _Attach.apply(out, self.token)  # type: ignore[no-untyped-call]
-        return attached
-
-
-class _Attach(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, out: Tensor, token: Tensor) -> Tensor:
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        return grad, grad.new_zeros(())
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0 (optionally zigzag-reordered); backward: reduce-scatter(sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, token: Tensor, group: Group, zigzag_cp_size: int) -> tuple[Tensor, Tensor]:
-        ctx.group = group
-        ctx.zigzag_cp_size = zigzag_cp_size
-        gathered = all_gather_tokens(x, group)
-        if zigzag_cp_size:
-            gathered = permute_cp_shard(gathered, zigzag_cp_size, reorder=True)
-        return gathered, token.detach().clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        if ctx.zigzag_cp_size:
-            inverse = torch.argsort(torch.tensor(zigzag_gather_index(ctx.zigzag_cp_size)))
-            chunks = grad.reshape(2 * ctx.zigzag_cp_size, -1, *grad.shape[1:])
-            grad = chunks.index_select(0, inverse.to(grad.device)).flatten(0, 1)
-        return reduce_scatter_tokens(grad, ctx.group), grad_token, None, None
+__all__ = [
+    "BackwardOrder", "Group", "IndexerInputs", "all_gather_qk_weight_kvallgather", "check_same_on_all_ranks",
+    "gather_from_sp_cp", "global_num_seqs",
+]
 
 
 def gather_from_sp_cp(
@@ -146,11 +62,9 @@ def gather_from_sp_cp(
             f"gather_from_sp_cp(tnd=False): the gathered length {world * x.shape[dim]} must be"
             f" divisible by 2*cp = {2 * cp_size} (zigzag chunks)"
         )
-    moved = x.movedim(dim, 0)
-    token = order.token if order is not None else x.new_zeros(())
-    gathered, token = _GatherTokens.apply(moved, token, group, 0 if tnd else cp_size)  # type: ignore[no-untyped-call]
-    if order is not None:
-        order.token = token
+    gathered = all_gather(x.movedim(dim, 0), group, order)
+    if not tnd:  # differentiable reorder: its backward undoes the permutation before the reduce-scatter
+        gathered = permute_cp_shard(gathered, cp_size, reorder=True)
     result: Tensor = gathered.movedim(0, dim)
     return result
 

@@ -1,22 +1,25 @@
-"""Count the bytes a rank receives through ``torch.distributed`` collectives.
+"""Count the bytes a rank receives through cpkv's collectives.
 
-:func:`count_bytes` wraps the collective functions of ``torch.distributed`` for the
-duration of a ``with`` block (and restores them after), so the numbers come from the
-actual calls cpkv makes, not from a formula. "Received" is the payload that comes
-from other ranks: ``(world - 1)`` shares of an all-gather's output, of a
-reduce-scatter's output and of an all-reduce, and the uneven receive splits of an
-all-to-all. For demos and benchmarks; not thread-safe, not for production.
+:func:`count_bytes` watches the collective ops of :mod:`cpkv.collectives` (``cpkv::all_gather``,
+``cpkv::reduce_scatter``, ``cpkv::exchange`` and its backward) with a dispatch mode for the
+duration of a ``with`` block, so the numbers come from the actual calls cpkv makes (also on
+meta tensors in a fake process group), not from a formula. "Received" is the payload that
+comes from other ranks: ``(world - 1)`` shares of an all-gather's output and of a
+reduce-scatter's output, and the receive splits of a routed exchange (routes never send a
+rank's rows to itself). Collectives issued directly through ``torch.distributed`` (for
+example :func:`cpkv.global_num_seqs`) are not counted. For demos and benchmarks.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass
@@ -35,38 +38,45 @@ class ByteCounter:
         self.by_op[op] = self.by_op.get(op, 0) + num_bytes
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+def _row_bytes(t: Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
-def _received(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    group = kwargs.get("group")
-    world = dist.get_world_size(group)
-    if op in ("all_gather_single", "all_gather_into_tensor"):
-        return _nbytes(args[0]) * (world - 1) // world
-    if op in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        return _nbytes(args[0]) * (world - 1)
-    if op == "all_reduce":
-        return _nbytes(args[0]) * (world - 1)
-    if op == "all_to_all_single":
-        output, splits = args[0], kwargs.get("output_split_sizes", args[2] if len(args) > 2 else None)
-        rank = dist.get_rank(group)
-        rows = output.shape[0] if output.ndim else 1
-        row_bytes = _nbytes(output) // max(rows, 1)
-        own = splits[rank] if splits else rows // world
-        return (rows - own) * row_bytes
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "exchange", "exchange_backward")
+
+
+def received_bytes(op: str, args: tuple[Any, ...]) -> int:
+    """Bytes this rank receives in one call of the cpkv collective ``op`` with ``args``."""
+    if op == "all_gather":
+        x, _token, _group, world = args
+        return int(x.numel() * x.element_size() * (world - 1))
+    if op == "reduce_scatter":
+        x, _group, world = args
+        return int(x.numel() * x.element_size() // world * (world - 1))
+    if op == "exchange":
+        x, _token, _rows, _send, recv, _group = args
+        return int(sum(recv)) * _row_bytes(x)
+    if op == "exchange_backward":
+        grad, _rows, _num, send, _recv, _group = args
+        return int(sum(send)) * _row_bytes(grad)
     return 0
 
 
-_COUNTED = (
-    "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-    "all_reduce", "all_to_all_single",
-)
+class _CountCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, counter: ByteCounter) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        if func.namespace == "cpkv" and name in COLLECTIVE_OPS:
+            self.counter.add(name, received_bytes(name, tuple(args)))
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def count_bytes() -> Iterator[ByteCounter]:
-    """Count bytes received by collectives issued inside the block.
+    """Count bytes received by cpkv's collectives issued inside the block (forward and backward).
 
     Example:
         >>> with count_bytes() as counter:  # doctest: +SKIP
@@ -74,22 +84,5 @@ def count_bytes() -> Iterator[ByteCounter]:
         >>> counter.total  # doctest: +SKIP
     """
     counter = ByteCounter()
-    originals: dict[str, Callable[..., Any]] = {}
-
-    def wrap(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counter.add(op, _received(op, args, kwargs))
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for op in _COUNTED:
-        fn = getattr(dist, op, None)
-        if fn is not None:
-            originals[op] = fn
-            setattr(dist, op, wrap(op, fn))
-    try:
+    with _CountCollectives(counter):
         yield counter
-    finally:
-        for op, fn in originals.items():
-            setattr(dist, op, fn)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 layer compression modes (SEMANTICS section 5)."""
+"""DeepSeek-V4 layer compression modes (docs/semantics.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import enum
 
 from torch import Tensor
 
-from cpkv._checks import check_int
+from cpkv.checks import check_int
 
 INDEXER_RATIO = 4
 """The compress ratio whose layers use the lightning indexer (DeepSeek-V4)."""

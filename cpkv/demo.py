@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpkv.attention_plan import plan_attention
 from cpkv.commstats import count_bytes
 from cpkv.launch import spawn
-from cpkv.layout import seqlens_to_cu_seqlens
-from cpkv.sharding import shard_contiguous
-from cpkv.v4 import V4Attention, V4Config
+from cpkv.plan.attention import plan_attention
+from cpkv.plan.conventions import seqlens_to_cu_seqlens
+from cpkv.plan.sharding import shard_contiguous
+from cpkv.v4 import V4Attention, V4Config, reference_forward
 
 MODES: dict[str, V4Config] = {
     "window": V4Config(compress_ratio=0, window=32),
@@ -62,7 +62,7 @@ def _single_process(config: V4Config, x: torch.Tensor, g: torch.Tensor, cu: torc
     """Output, input gradient and parameter gradients of the whole batch in one process."""
     layer = V4Attention(config, seed=seed).to(x.device, x.dtype)
     x = x.clone().requires_grad_(True)
-    out = layer.reference_forward(x, cu).out
+    out = reference_forward(layer, x, cu).out
     torch.autograd.backward(out, g)
     return {"out": out.detach(), "grad_x": x.grad if x.grad is not None else torch.zeros_like(x), **_grads(layer)}
 
@@ -72,11 +72,12 @@ def _cp(config: V4Config, x: torch.Tensor, g: torch.Tensor, cu: torch.Tensor, ar
     """This rank's shard of the same under CP; parameter gradients summed over ranks."""
     layer = V4Attention(config, seed=args.seed).to(x.device, x.dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window], ring_degree=args.ring_degree)
+    plan = plan_attention(cu, world, rank, exchange=args.exchange, ring_degree=args.ring_degree,
+                          compress_ratios=ratios, windows=[config.window])
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
     with count_bytes() as counter:
         start = time.perf_counter()
-        out = layer(x_local, cu, None, plan=plan, ring_degree=args.ring_degree, exchange=args.exchange).out
+        out = layer(x_local, plan, None).out
         torch.autograd.backward(out, shard_contiguous(g, world, rank))
         elapsed = time.perf_counter() - start
     grads = _grads(layer)
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ring-degree", type=int, default=1,
-                        help="rounds of the need-based kv exchange, overlapped with attention (cpkv.ring)")
+                        help="rounds of the need-based kv exchange, merged exactly by LSE (plan_attention(ring_degree=...))")
     parser.add_argument("--exchange", choices=["allgather", "need"], default="need",
                         help="move every rank's tokens (allgather) or only what each rank needs (need)")
     parser.add_argument("--backend", default=None, help="torch.distributed backend under torchrun (default gloo)")

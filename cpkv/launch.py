@@ -74,7 +74,7 @@ def spawn(
     if getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__"):
         raise TypeError(
             f"fn={getattr(fn, '__name__', fn)!r} is defined in an interactive __main__ (a notebook or REPL), which"
-            " spawned ranks cannot import: define it in a module (e.g. cpkv.tutorial) and import it"
+            " spawned ranks cannot import: define it in a module (e.g. examples/cp_helpers.py) and import it"
         )
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()

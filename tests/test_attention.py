@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 
 from cpkv.attention import AttentionSpec, attention_forward
-from cpkv.attention_zigzag import attention_forward_bsnd
-from cpkv.attention_plan import plan_attention
 from cpkv.launch import spawn
+from cpkv.plan import plan_attention
 from cpkv.v4 import V4Attention, V4Config
 
 CU = torch.tensor([0, 5, 12, 16])
@@ -22,21 +21,24 @@ def _bad_calls(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
     spec = AttentionSpec(d_v=24, window=4)
     cmp_spec = AttentionSpec(d_v=24, window=4, compress_ratio=8)
     layer = V4Attention(V4Config(compress_ratio=4))
-    other_plan = plan_attention(CU, world, (rank + 1) % world) if world > 1 else plan_attention(torch.tensor([0, 8]), 1, 0)
+    plan = plan_attention(CU, world, rank)
+    need_plan = plan_attention(CU, world, rank, exchange="need", windows=[8])
+    other_plan = plan_attention(CU, world, (rank + 1) % world) if world > 1 else plan_attention(CU, 2, 1)
     return [
-        ("ring_degree", lambda: attention_forward(q, kv, CU, None, spec=spec, ring_degree=2)),
-        ("ring_degree", lambda: attention_forward(q, kv, CU, None, spec=spec, ring_degree=0)),
-        ("T / cp", lambda: attention_forward(q[:-1], kv[:-1], CU, None, spec=spec)),
-        ("kv", lambda: attention_forward(q, kv[:, None], CU, None, spec=spec)),
-        ("spec.d_v", lambda: attention_forward(q, kv, CU, None, spec=AttentionSpec(d_v=40, window=4))),
-        ("compressor", lambda: attention_forward(q, kv, CU, None, spec=cmp_spec)),
-        ("spec.window", lambda: attention_forward(q, kv, CU, None, spec=AttentionSpec(d_v=24, window=None, compress_ratio=8))),
+        ("plan must be an AttentionPlan", lambda: attention_forward(q, kv, CU, None, spec=spec)),  # type: ignore[arg-type]
+        ("plan.local_len", lambda: attention_forward(q[:-1], kv[:-1], plan, None, spec=spec)),
+        ("kv", lambda: attention_forward(q, kv[:, None], plan, None, spec=spec)),
+        ("spec.d_v", lambda: attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=40, window=4))),
+        ("compress_ratio=8 was not planned", lambda: attention_forward(q, kv, plan, None, spec=cmp_spec)),
+        ("compressor", lambda: attention_forward(q, kv, plan_attention(CU, world, rank, compress_ratios=[8]), None, spec=cmp_spec)),
+        ("spec.window", lambda: attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=24, window=None, compress_ratio=8))),
         ("indexer", lambda: attention_forward(
-            q, kv, CU, None, spec=AttentionSpec(d_v=24, window=4, compress_ratio=4), hidden=torch.randn(local, 64),
-            compressor=layer.compressor)),
-        ("cu_seqlens", lambda: attention_forward(q, kv, torch.tensor([5, 12, 16]), None, spec=spec)),
-        ("plan", lambda: attention_forward(q, kv, CU, None, spec=spec, plan=other_plan)),
-        ("q", lambda: attention_forward_bsnd(q, kv, None, spec=spec)),
+            q, kv, plan_attention(CU, world, rank, compress_ratios=[4]), None, spec=AttentionSpec(d_v=24, window=4, compress_ratio=4),
+            hidden=torch.randn(local, 64), compressor=layer.compressor)),
+        ("window=4", lambda: attention_forward(q, kv, need_plan, None, spec=spec)),
+        ("plan was made for", lambda: attention_forward(q, kv, other_plan, None, spec=spec)),
+        ("dtype", lambda: attention_forward(q, kv.double(), plan, None, spec=spec)),
+        ("sinks", lambda: attention_forward(q, kv, plan, None, spec=spec, sinks=torch.zeros(3))),
     ]
 
 

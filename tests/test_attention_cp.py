@@ -1,8 +1,9 @@
-"""CP-equivalence suite: attention_forward on gloo ranks equals the single-process layer.
+"""CP-equivalence suite: the one executor on gloo ranks equals the single-process layer.
 
 For every compress mode (NO_COMPRESS with a window and dense causal, COMPRESSOR_ONLY,
 INDEXER, the compressor-None fallback), for contiguous TND with both exchange strategies,
-for per-document zigzag TND and for zigzag BSND, at cp 1-4: the local outputs
+for per-document zigzag TND and for zigzag BSND (the zigzag layout over equal documents,
+flattened), with ring rounds, all through ``V4Attention.forward`` -> ``attention_forward``, at cp 1-4: the local outputs
 and input gradients concatenated over ranks, and every parameter gradient summed over
 ranks (what CP gradient reduction does), match the dense single-process oracle
 ``V4Attention.reference_forward`` on the whole batch.
@@ -21,11 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from cpkv.attention_plan import plan_attention, plan_attention_bsnd, plan_attention_zigzag_tnd
 from cpkv.launch import spawn
-from cpkv.layout import seqlens_to_cu_seqlens
-from cpkv.sharding import shard_contiguous, shard_zigzag, shard_zigzag_tnd, unshard_zigzag_tnd
-from cpkv.v4 import V4Attention, V4Config
+from cpkv.plan import bsnd_cu_seqlens, plan_attention, seqlens_to_cu_seqlens
+from cpkv.plan.sharding import shard_contiguous, shard_zigzag, shard_zigzag_tnd, unshard_zigzag, unshard_zigzag_tnd
+from cpkv.v4 import V4Attention, V4Config, reference_forward
 
 # 144 tokens (divisible by cp 1-4): zero-length documents, documents shorter than one
 # block (ratio 4 and 8), and documents straddling several ranks at every cp.
@@ -75,9 +75,11 @@ def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype, exchange: st
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window], ring_degree=ring)
+    plan = plan_attention(
+        cu, world, rank, exchange=exchange, ring_degree=ring, compress_ratios=ratios, windows=[config.window]
+    )
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-    result = layer(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE, exchange=exchange, ring_degree=ring)
+    result = layer(x_local, plan, None, grad_scale=GRAD_SCALE)
     result.out.backward(shard_contiguous(grad_out, world, rank))
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
@@ -88,10 +90,12 @@ def _bsnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str
     x, grad_out = x.reshape(BSND_BATCH, BSND_SEQ, -1), grad_out.reshape(BSND_BATCH, BSND_SEQ, -1)
     layer = _layer(config, dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention_bsnd(BSND_BATCH, BSND_SEQ, world, rank, compress_ratios=ratios)
+    # Zigzag BSND is the zigzag layout over B equal documents: flatten [B, S/cp] to tokens.
+    plan = plan_attention(bsnd_cu_seqlens(BSND_BATCH, BSND_SEQ), world, rank, layout="zigzag", compress_ratios=ratios)
     x_local = shard_zigzag(x, world, rank).clone().requires_grad_(True)
-    result = layer.forward_bsnd(x_local, None, plan=plan, grad_scale=GRAD_SCALE)
-    result.out.backward(shard_zigzag(grad_out, world, rank))
+    result = layer(x_local.flatten(0, 1), plan, None, grad_scale=GRAD_SCALE)
+    result.out.reshape(x_local.shape).backward(shard_zigzag(grad_out, world, rank))
+    result = result._replace(out=result.out.reshape(x_local.shape))
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
 
@@ -101,9 +105,9 @@ def _zigzag_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[s
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention_zigzag_tnd(cu, world, rank, compress_ratios=ratios)
+    plan = plan_attention(cu, world, rank, layout="zigzag", compress_ratios=ratios)
     x_local = shard_zigzag_tnd(x, cu, world, rank).clone().requires_grad_(True)
-    result = layer.forward_zigzag_tnd(x_local, cu, None, plan=plan, grad_scale=GRAD_SCALE)
+    result = layer(x_local, plan, None, grad_scale=GRAD_SCALE)
     result.out.backward(shard_zigzag_tnd(grad_out, cu, world, rank))
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
@@ -132,7 +136,7 @@ def _reference(layout: str, name: str, dtype: torch.dtype) -> dict[str, Any]:
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
     x = x.clone().requires_grad_(True)
-    result = layer.reference_forward(x, cu, grad_scale=GRAD_SCALE)
+    result = reference_forward(layer, x, cu, grad_scale=GRAD_SCALE)
     result.out.backward(grad_out)
     return {"out": result.out.detach(), "grad_x": x.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
@@ -147,8 +151,6 @@ def _combine(layout: str, name: str, per_rank: list[dict[str, Any]]) -> dict[str
         out = unshard_zigzag_tnd([r["out"] for r in per_rank], cu)
         grad_x = unshard_zigzag_tnd([r["grad_x"] for r in per_rank], cu)
     else:
-        from cpkv.sharding import unshard_zigzag
-
         out = unshard_zigzag([r["out"] for r in per_rank]).flatten(0, 1)
         grad_x = unshard_zigzag([r["grad_x"] for r in per_rank]).flatten(0, 1)
     params: dict[str, torch.Tensor | None] = {}

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from cpkv.comm import all_gather_qk_weight_kvallgather, check_same_on_all_ranks, gather_from_sp_cp, global_num_seqs
 from cpkv.launch import spawn
-from cpkv.sharding import shard_contiguous, shard_zigzag
+from cpkv.plan.sharding import shard_contiguous, shard_zigzag
 
 TIMEOUT = 90.0
 

@@ -18,12 +18,10 @@ from cpkv import (
     AttentionSpec,
     actual_seq_len_to_cu_seqlens,
     attention_forward,
-    attention_forward_zigzag_tnd,
     check_zigzag_tnd_lengths,
     compute_prefix_kv_cu_seqlens,
     contiguous_shard_range,
     plan_attention,
-    plan_attention_bsnd,
     rearrange_prefix_kv,
     shard_zigzag,
     validate_cu_seqlens,
@@ -51,7 +49,7 @@ def test_api_reference_documents_every_public_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "page", ["design.md", "conventions.md", "troubleshooting.md", "api.md", "../examples/README.md"]
+    "page", ["design.md", "conventions.md", "semantics.md", "troubleshooting.md", "api.md", "backends.md", "../examples/README.md"]
 )
 def test_relative_links_resolve(page: str) -> None:
     path = (DOCS / page).resolve()
@@ -86,14 +84,14 @@ def _one_rank(call: Callable[[int], object]) -> Callable[[], object]:
     return run
 
 
-def _forward(t: int, **kwargs: object) -> object:
-    return attention_forward(torch.zeros(t, 2, 8), torch.zeros(t, 8), CU, None, spec=SPEC, **kwargs)  # type: ignore[arg-type]
+def _forward(t: int, plan: object, spec: AttentionSpec = SPEC, **kwargs: object) -> object:
+    return attention_forward(torch.zeros(t, 2, 8), torch.zeros(t, 8), plan, None, spec=spec, **kwargs)  # type: ignore[arg-type]
 
 
 ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, lambda: contiguous_shard_range(17, 2, 0)),
     (ValueError, lambda: shard_zigzag(torch.zeros(1, 12, 1, 1), 4, 0)),
-    (ValueError, lambda: plan_attention_bsnd(1, 12, 4, 0)),
+    (ValueError, lambda: plan_attention(torch.tensor([0, 12]), 4, 0, layout="zigzag")),
     (ValueError, lambda: validate_cu_seqlens(torch.tensor([5, 12, 16]))),
     (ValueError, lambda: actual_seq_len_to_cu_seqlens([0, 5, 12])),
     (TypeError, lambda: validate_cu_seqlens(torch.tensor([0.0, 5.0, 12.0]))),
@@ -104,12 +102,14 @@ ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, lambda: plan_attention(torch.tensor([0, 8, 16]), 2, 0).segments.compressed_for(4)),
     (ValueError, lambda: AttentionSpec(d_v=8, compress_ratio=4, window=None).validate()),
     (ValueError, lambda: check_zigzag_tnd_lengths(CU, 4)),
-    (ValueError, lambda: _forward(8, ring_degree=2)),
     (ValueError, lambda: plan_attention(CU, 4, 0, ring_degree=2)),
-    (ValueError, lambda: attention_forward_zigzag_tnd(torch.zeros(8, 2, 8), torch.zeros(8, 8), CU, None, spec=SPEC, ring_degree=2)),
-    (ValueError, _one_rank(lambda t: _forward(t, exchange="need", plan=plan_attention(CU, 1, 0)))),
-    (ValueError, _one_rank(lambda t: _forward(t, exchange="need", plan=plan_attention(CU, 1, 0, need_windows=[16]), ring_degree=3))),
-    (ValueError, _one_rank(lambda t: _forward(t, exchange="need", ring_degree=2, backend=_NamedNPU()))),
+    (ValueError, lambda: plan_attention(torch.tensor([0, 8, 16]), 2, 0, layout="zigzag", exchange="need")),
+    (ValueError, lambda: plan_attention(CU, 4, 0, layout="bsnd")),  # type: ignore[arg-type]
+    (TypeError, lambda: _forward(8, CU)),
+    (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, exchange="need")))),
+    (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 2, 0)))),
+    (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, exchange="need", windows=[16], ring_degree=2), backend=_NamedNPU()))),
+    (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, compress_ratios=[4]), spec=AttentionSpec(d_v=8, compress_ratio=8)))),
 ]
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cpkv.compress_mode import LayerCompressMode
-from cpkv.layout import actual_seq_len_to_cu_seqlens, compress_cu_seqlens, validate_cu_seqlens
-from cpkv.plan import compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
-from cpkv.sharding import permute_cp_shard, shard_contiguous, shard_zigzag
+from cpkv.plan.conventions import actual_seq_len_to_cu_seqlens, compress_cu_seqlens, validate_cu_seqlens
+from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
+from cpkv.plan.sharding import permute_cp_shard, shard_contiguous, shard_zigzag
 
 CU = torch.tensor([0, 5, 12, 16])
 PLAN = compute_prefix_kv_cu_seqlens(CU, 8, 8)

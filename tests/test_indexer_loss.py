@@ -1,7 +1,9 @@
-"""Sparse attention with indexer loss: gradients, grad_scale in ctx, threads.
+"""The indexer KL loss attached to a sparse attention: gradients, grad_scale in ctx, threads.
 
-The oracle is plain autograd of ``grad_scale * sum_t KL(p_t || softmax(I_t)) / N`` with
-a dense float64 target built from explicit softmax probabilities (sink included).
+The attention is composed as the pipeline does it: ``sparse_attention``, then
+``sparse_attention_head_probs`` of the selected columns, then ``attach_indexer_loss``. The
+oracle is plain autograd of ``grad_scale * sum_t KL(p_t || softmax(I_t)) / N`` with a dense
+float64 target built from explicit softmax probabilities (sink included).
 """
 
 import threading
@@ -9,10 +11,11 @@ import threading
 import pytest
 import torch
 
-from cpkv.backends.reference import sparse_attention
-from cpkv.indexer_loss import IndexerLossConfig, sparse_attention_with_indexer_loss
+from cpkv.backends.reference import sparse_attention, sparse_attention_head_probs
+from cpkv.indexer_loss import IndexerLoss, attach_indexer_loss
 
 T, H, D, DV, HI, DI, NC, W, K = 12, 3, 8, 6, 2, 5, 7, 3, 4
+SCALE = D**-0.5
 
 
 def make_inputs(seed: int) -> dict[str, torch.Tensor]:
@@ -57,12 +60,18 @@ def oracle_kl(inp: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
     return total
 
 
-def run(inp: dict[str, torch.Tensor], grad_scale: float, n_global: int) -> torch.Tensor:
-    config = IndexerLossConfig(d_v=DV, scale=D**-0.5, num_window=W, grad_scale=grad_scale, num_global_queries=n_global)
-    res = sparse_attention_with_indexer_loss(
-        inp["q"], inp["kv"], inp["indices"], inp["selected"], inp["q_index"], inp["k_index"], inp["weights"],
-        sinks=inp["sinks"], config=config,
+def attach(inp: dict[str, torch.Tensor], grad_scale: float, n_global: int) -> IndexerLoss:
+    """Sparse attention over window + selected entries, with the KL loss attached to its output."""
+    attn = sparse_attention(inp["q"], inp["kv"], inp["indices"], d_v=DV, scale=SCALE, sinks=inp["sinks"])
+    probs = sparse_attention_head_probs(inp["q"], inp["kv"], inp["indices"], attn.lse, scale=SCALE)
+    return attach_indexer_loss(
+        attn.out, inp["q_index"], inp["k_index"], inp["weights"], inp["selected"], probs[:, W:],
+        grad_scale=grad_scale, num_global_queries=n_global,
     )
+
+
+def run(inp: dict[str, torch.Tensor], grad_scale: float, n_global: int) -> torch.Tensor:
+    res = attach(inp, grad_scale, n_global)
     res.out.sum().backward()
     return res.loss
 
@@ -76,8 +85,8 @@ def test_gradients_equal_plain_autograd(grad_scale: float, n_global: int) -> Non
     inp = make_inputs(0)
     loss = run(inp, grad_scale, n_global)
     ref = make_inputs(0)
-    kl = oracle_kl(ref, D**-0.5)
-    attn = sparse_attention(ref["q"], ref["kv"], ref["indices"], d_v=DV, scale=D**-0.5, sinks=ref["sinks"])
+    kl = oracle_kl(ref, SCALE)
+    attn = sparse_attention(ref["q"], ref["kv"], ref["indices"], d_v=DV, scale=SCALE, sinks=ref["sinks"])
     (attn.out.sum() + grad_scale * kl / n_global).backward()
     assert float(loss) == pytest.approx(float(kl.detach()), rel=1e-6)
     for name in INDEXER_INPUTS + ATTN_INPUTS:
@@ -96,11 +105,7 @@ def test_two_calls_in_one_graph_keep_their_own_scale() -> None:
     a, b = make_inputs(1), make_inputs(1)
     outs = []
     for inp, scale in ((a, 2.0), (b, 5.0)):
-        config = IndexerLossConfig(d_v=DV, scale=D**-0.5, num_window=W, grad_scale=scale, num_global_queries=T)
-        outs.append(sparse_attention_with_indexer_loss(
-            inp["q"], inp["kv"], inp["indices"], inp["selected"], inp["q_index"], inp["k_index"], inp["weights"],
-            sinks=inp["sinks"], config=config,
-        ).out)
+        outs.append(attach(inp, scale, T).out)
     (outs[0].sum() + outs[1].sum()).backward()
     for name in INDEXER_INPUTS:
         torch.testing.assert_close(a[name].grad, 2.0 * unit[name], rtol=1e-12, atol=1e-14)
@@ -127,11 +132,41 @@ def test_backward_from_two_threads_does_not_mix_scales() -> None:
             torch.testing.assert_close(results[scale][name], scale * unit[name], rtol=1e-12, atol=1e-14)
 
 
-def test_indices_width_is_checked() -> None:
+def test_out_unchanged_and_loss_detached() -> None:
+    """``out`` keeps its value and its gradient; ``loss`` is detached (its gradient is ignored)."""
+    inp = make_inputs(3)
+    attn = sparse_attention(inp["q"], inp["kv"], inp["indices"], d_v=DV, scale=SCALE, sinks=inp["sinks"])
+    res = attach(inp, 1.0, T)
+    assert torch.equal(res.out, attn.out)
+    assert res.loss.dim() == 0 and res.loss.dtype == torch.float32 and not res.loss.requires_grad
+    assert float(res.loss) == pytest.approx(float(oracle_kl(inp, SCALE).detach()), rel=1e-6)
+
+
+def test_padding_never_touches_k_index_row_0() -> None:
+    """A NaN in k_index row 0, referenced only by -1 padding, changes nothing."""
+    inp, ref = make_inputs(4), make_inputs(4)
+    sel = inp["selected"]
+    for x in (inp, ref):
+        x["selected"] = torch.where(sel == 0, -1, sel)  # row 0 is never selected
+        x["indices"][:, W:] = torch.where(x["selected"] >= 0, x["selected"] + T, -1)
+    with torch.no_grad():
+        inp["k_index"][0] = float("nan")
+    run(inp, 1.0, T)
+    run(ref, 1.0, T)
+    assert torch.equal(inp["k_index"].grad[0], torch.zeros(DI, dtype=torch.float64))
+    for name in INDEXER_INPUTS:
+        torch.testing.assert_close(inp[name].grad, ref[name].grad, rtol=0, atol=0, msg=name)
+
+
+def test_shapes_are_checked() -> None:
     inp = make_inputs(2)
-    config = IndexerLossConfig(d_v=DV, scale=1.0, num_window=W + 1, grad_scale=1.0, num_global_queries=T)
-    with pytest.raises(ValueError, match="indices"):
-        sparse_attention_with_indexer_loss(
-            inp["q"], inp["kv"], inp["indices"], inp["selected"], inp["q_index"], inp["k_index"], inp["weights"],
-            sinks=inp["sinks"], config=config,
+    with pytest.raises(ValueError, match="selected_probs"):
+        attach_indexer_loss(
+            inp["q"], inp["q_index"], inp["k_index"], inp["weights"], inp["selected"], torch.zeros(T, K + 1),
+            grad_scale=1.0, num_global_queries=T,
+        )
+    with pytest.raises(ValueError, match="num_global_queries"):
+        attach_indexer_loss(
+            inp["q"], inp["q_index"], inp["k_index"], inp["weights"], inp["selected"], torch.zeros(T, K),
+            grad_scale=1.0, num_global_queries=0,
         )

@@ -2,6 +2,9 @@
 
 Each notebook is executed with nbclient in a temporary copy (the stored outputs are not
 touched) on a kernel that runs *this* interpreter, so the notebooks see the cpkv under test.
+The copy sits next to copies of the notebooks' helper modules (``examples/*.py``, e.g.
+``cp_helpers.py``, which is not part of the wheel), as in ``examples/``: the kernel's working
+directory is on ``sys.path``, and ranks started by ``cpkv.launch.spawn`` inherit it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from nbclient import NotebookClient
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+HELPERS = sorted(EXAMPLES.glob("*.py"))
 EXPECTED = ["01_prefix_kv_plan.ipynb", "02_cp_attention_end_to_end.ipynb", "03_use_in_your_model.ipynb"]
 CELL_TIMEOUT_S = 100
 NOTEBOOK_BUDGET_S = 120  # issue 7: each notebook runs top to bottom in under 2 minutes on 2 CPU cores
@@ -63,6 +67,8 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path) -> None:
     stored = path.read_bytes()
     copy = tmp_path / path.name
     shutil.copy(path, copy)
+    for helper in HELPERS:  # the notebooks import their helpers from their own directory
+        shutil.copy(helper, tmp_path / helper.name)
     nb = nbformat.read(copy, as_version=4)
     start = time.perf_counter()
     _client(nb, tmp_path).execute()  # raises CellExecutionError at the first failing cell
@@ -87,14 +93,36 @@ def test_notebook_is_stored_executed_with_pictures(path: Path) -> None:
 # What each notebook must (still) teach: the public names its code cells call.
 TEACHES = {
     "01_prefix_kv_plan.ipynb": [
-        "compute_prefix_kv_cu_seqlens", "plan_attention_bsnd", "pad_documents", "shard_zigzag_tnd",
-        "zigzag_tnd_gather_index", "plan_attention_zigzag_tnd", "check_zigzag_tnd_lengths",
+        "compute_prefix_kv_cu_seqlens", "bsnd_cu_seqlens", 'layout="zigzag"', "pad_documents", "shard_zigzag_tnd",
+        "zigzag_tnd_gather_index", "gather_rows", "check_zigzag_tnd_lengths",
     ],
-    "02_cp_attention_end_to_end.ipynb": ["run_layer_modes", "run_ring_degrees", "ring_degree=", "need_windows="],
+    "02_cp_attention_end_to_end.ipynb": [
+        "from cp_helpers import", "run_examples", "per_rank_ring", "reference_forward(", 'exchange="need"',
+        "windows=", "ring_degree=",
+    ],
     "03_use_in_your_model.ipynb": [
-        "gather_from_sp_cp", "global_num_seqs", "plan_need_exchange", "exchange_rows", "BackwardOrder", ".attach(",
+        "gather_from_sp_cp", "global_num_seqs", 'plan_attention(cu_seqlens', 'exchange="need"', ".kv_source(",
+        "exchange_rows", "BackwardOrder(", ".attach(",
     ],
 }
+
+
+REMOVED_IN_0_2 = [
+    "plan_attention_bsnd", "plan_attention_zigzag_tnd", "attention_forward_bsnd", "attention_forward_zigzag_tnd",
+    "attend_prefix", "plan_need_exchange", "need_windows", "forward_bsnd", "forward_zigzag_tnd", ".reference_forward(",
+    "cpkv.tutorial", "cpkv.ring", "kv_rows", "IndexerLossConfig",
+]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_uses_the_current_api(path: Path) -> None:
+    """No call of an API removed in 0.2.0, and imports only from cpkv's public modules and the helpers."""
+    nb = nbformat.read(path, as_version=4)
+    code = "\n".join(cell.source for cell in nb.cells if cell.cell_type == "code")
+    assert not [name for name in REMOVED_IN_0_2 if name in code]
+    private = [line for line in code.splitlines() if line.lstrip().startswith(("from cpkv.", "import cpkv."))
+               and line.split()[1] not in ("cpkv.launch", "cpkv.v4", "cpkv.commstats")]
+    assert not private, f"{path.name} imports internals: {private}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

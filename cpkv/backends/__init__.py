@@ -1,19 +1,24 @@
 """Attention backends behind one narrow interface (:class:`AttentionBackend`).
 
+A backend implements five primitives over packed (TND) tensors: ``varlen_attention``,
+``range_attention`` (ring rounds), ``sparse_attention``, ``selected_probs`` and
+``indexer_topk`` (:mod:`cpkv.backends.base`).
+
 Select one with :func:`get_backend`:
 
 * ``"reference"``: pure torch, any device, the oracle;
-* ``"cuda"``: :class:`~cpkv.backends.cuda.CUDABackend`, flash varlen attention through
-  ``torch.nn.attention.varlen.varlen_attn`` (reference ops for the sparse parts);
+* ``"cuda"``: :class:`~cpkv.backends.cuda.CUDABackend`, flash varlen attention (and ring
+  rounds) through ``torch.nn.attention.varlen.varlen_attn`` (reference ops for the sparse
+  parts);
 * ``"npu"``: :class:`~cpkv.backends.npu.NPUBackend`, torch_npu's fused ops (imported
   lazily, only when this backend is created);
 * ``"auto"``: by ``device.type``: ``npu`` -> NPU, ``cuda`` -> CUDA, anything else (or no
   device) -> reference.
 
 Fused backends fall back to the reference, with one warning per backend instance and
-reason, where a kernel cannot serve a call (docs/backends.md). An
-:class:`AttentionBackend` instance is accepted as is; create one per model (not per call)
-so that its fallback warnings are issued once.
+reason, where a kernel cannot serve a call (docs/backends.md; the primitives' semantics:
+docs/semantics.md). An :class:`AttentionBackend` instance is accepted as is; create one
+per model (not per call) so that its fallback warnings are issued once.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from cpkv.backends.base import AttentionBackend
-from cpkv.backends.reference_backend import ReferenceBackend
+from cpkv.backends.reference import ReferenceBackend
 
 BACKEND_NAMES = ("reference", "cuda", "npu", "auto")
 

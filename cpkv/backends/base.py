@@ -1,25 +1,48 @@
 """The narrow interface between the attention pipeline and the fused-op backends.
 
-A backend implements four ops over packed (TND) tensors; the pipeline calls nothing
-else. Each op receives the :class:`~cpkv.attention_plan.SegmentPlan` of the call so a
-backend can read whatever convention its kernel wants from it (leading-zero int32
-``cu_seqlens_*`` for flash/varlen kernels, the Ascend host tuples ``actual_seq_*``),
-built once per micro-batch rather than per layer.
+A backend implements five primitives over packed (TND) tensors; the pipeline calls
+nothing else (docs/semantics.md, "Backends"). Index plans arrive as plan objects built
+once per micro-batch (:class:`~cpkv.plan.segments.SegmentPlan`,
+:class:`~cpkv.plan.segments.EntryVisibility`, :class:`~cpkv.plan.segments.KeyRanges`), so a backend reads
+whatever convention its kernel wants (leading-zero int32 ``cu_seqlens_*`` for
+flash/varlen kernels, the Ascend host tuples ``actual_seq_*``, per-row key ranges)
+without a host sync. The indexer KL loss is attached once by the pipeline
+(:mod:`cpkv.indexer_loss`) from :meth:`AttentionBackend.selected_probs`.
+
+A backend that cannot serve a call with a kernel falls back to the reference op with one
+``UserWarning`` per backend instance and reason.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from torch import Tensor
 
-from cpkv.attention_plan import CompressedPlan, SegmentPlan
-from cpkv.backends.reference import AttentionResult
-from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss
+from cpkv.plan.segments import EntryVisibility, KeyRanges, SegmentPlan
+
+__all__ = ["AttentionBackend", "AttentionResult", "BackendName", "KeyRanges"]
+
+BackendName = Literal["reference", "cuda", "npu", "auto"]
+"""A backend by name: ``"auto"`` picks by the tensors' device (npu, cuda, else reference)."""
+
+
+class AttentionResult(NamedTuple):
+    """Attention output and its natural-log logsumexp (both differentiable where the backend says so).
+
+    Attributes:
+        out: ``[T_q, H, D_v]`` in q's dtype.
+        lse: ``[T_q, H]`` fp32 (fp64 for fp64 input): logsumexp of the scaled scores of the
+            visible keys, including ``exp(sink_h)`` when sinks are given; ``-inf`` for a
+            fully masked row without sink.
+    """
+
+    out: Tensor
+    lse: Tensor
 
 
 class AttentionBackend(Protocol):
-    """The ops the pipeline calls. Shapes use SEMANTICS letters; all masks are bottom-right causal."""
+    """The primitives the pipeline calls. Masks are bottom-right causal within segments."""
 
     name: str
 
@@ -27,26 +50,30 @@ class AttentionBackend(Protocol):
         self, q: Tensor, k: Tensor, v: Tensor, segments: SegmentPlan, *,
         scale: float, window: int | None, sinks: Tensor | None,
     ) -> AttentionResult:
-        """q ``[T_q, H, D]``, k ``[T_kv, H_kv, D]``, v ``[T_kv, H_kv, D_v]`` paired by ``segments``."""
+        """q ``[T_q, H, D]``, k ``[T_kv, H_kv, D]``, v ``[T_kv, H_kv, D_v]`` paired by ``segments``
+        (causal, or a sliding window of ``window`` keys), with LSE."""
+        ...
+
+    def range_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, ranges: KeyRanges, *, scale: float,
+    ) -> AttentionResult:
+        """q ``[T_q, H, D]`` over k ``[n, H_kv, D]``, v ``[n, H_kv, D_v]``, row ``t`` seeing keys
+        ``ranges.lo[t] <= j < ranges.hi[t]`` (a ring round; no sinks: they join in the merge)."""
         ...
 
     def sparse_attention(
-        self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, *,
-        d_v: int, scale: float, sinks: Tensor | None,
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None,
     ) -> AttentionResult:
         """Shared-KV attention of q ``[T_q, H, D]`` over rows ``indices`` ``[T_q, K]`` (-1 padded) of kv ``[N, D]``."""
         ...
 
-    def indexer_topk(
-        self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        compressed: CompressedPlan, *, topk: int,
-    ) -> Tensor:
-        """``[T_q, topk]`` int64 rows of ``k_index`` ``[N_c, D_I]`` with the highest visible scores, -1 padded."""
+    def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
+        """``[T_q, K]`` head-summed probabilities ``sum_h exp(q_h . kv[indices] * scale - lse_h)``, 0 at -1 (no grad)."""
         ...
 
-    def sparse_attention_with_indexer_loss(
-        self, q: Tensor, kv: Tensor, indices: Tensor, selected: Tensor, q_index: Tensor, k_index: Tensor,
-        weights: Tensor, segments: SegmentPlan, *, sinks: Tensor | None, config: IndexerLossConfig,
-    ) -> SparseAttentionWithLoss:
-        """Sparse attention whose backward also yields the indexer's KL gradients (``grad_scale / N``)."""
+    def indexer_topk(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
+        visible: EntryVisibility, *, topk: int,
+    ) -> Tensor:
+        """``[T_q, topk]`` int64 rows of ``k_index`` ``[N_c, D_I]`` with the highest visible scores, -1 padded."""
         ...

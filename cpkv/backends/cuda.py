@@ -1,17 +1,25 @@
 """The CUDA backend: ``torch.nn.attention.varlen.varlen_attn`` (flash-attention varlen).
 
-Only :meth:`CUDABackend.varlen_attention` runs a fused kernel; the sparse ops and the
-indexer run the reference ops on the GPU tensors (no public sparse kernel fits them yet).
+:meth:`CUDABackend.varlen_attention` and :meth:`CUDABackend.range_attention` (ring rounds)
+run the fused kernel; the sparse ops and the indexer run the reference ops on the GPU
+tensors (no public sparse kernel fits them yet). Kernel conventions: docs/semantics.md,
+"Fused ops: CUDA"; marshalling in docs/backends.md.
 
-Kernel adapter (one per kernel; SEMANTICS section 8):
+Kernel adapter (one for both primitives):
 
-* ``cu_seq_q`` / ``cu_seq_k``: the plan's leading-zero int32 ``cu_seqlens_q/kv`` on q's
-  device; ``max_q`` / ``max_k`` from the plan (host ints, no sync).
-* causal/window: ``window_size=(-1, 0)`` (bottom-right causal) or ``(W - 1, 0)``; the
+* ``cu_seq_q`` / ``cu_seq_k``: int32, leading 0, on q's device; ``max_q`` / ``max_k``
+  host ints from the plan (no host sync). ``varlen_attention`` passes the plan's
+  ``cu_seqlens_q/kv``. ``range_attention`` passes the :class:`~cpkv.backends.base.KeyRanges`
+  kernel form: q rows ``[0, num_rows)`` as one sequence over all ``num_keys`` keys
+  (``cu_seq_q = [0, num_rows]``, ``cu_seq_k = [0, num_keys]``); the remaining rows see no
+  key and get ``out = 0``, ``lse = -inf`` (padded differentiably; an empty round calls no
+  kernel).
+* mask, bottom-right aligned: ``window_size=(-1, 0)`` (causal) or ``(W - 1, 0)`` for
+  ``varlen_attention``; ``(left, -1)`` for a ring round (``left = -1``: every key). The
   torch 2.10 form (``is_causal``, no ``scale``/``window_size``/``enable_gqa``) gets
-  ``is_causal=True``, q pre-multiplied by ``scale * sqrt(D)`` when ``scale`` is not the
-  kernel default, and falls back to the reference for a window. The form is read once,
-  from the public function's ``inspect.signature``.
+  ``is_causal=True`` for ``(-1, 0)`` and ``False`` for ``(-1, -1)``, q pre-multiplied by
+  ``scale * sqrt(D)`` when ``scale`` is not the kernel default; other windows fall back.
+  The form is read once, from the public function's ``inspect.signature``.
 * MQA/GQA: ``enable_gqa=True`` where the parameter exists, else the kv heads are expanded.
 * ``D_v < D``: flash kernels need one head dim for q, k and v, so v is zero-padded to
   ``D`` and the output sliced back (exact).
@@ -20,15 +28,16 @@ Kernel adapter (one per kernel; SEMANTICS section 8):
   detached from it and :class:`_LseGradient` supplies ``d lse / d(q, k)`` exactly: with
   ``P`` the attention probabilities, ``d lse_i / d q_i = scale * sum_j P_ij k_j`` (one
   more kernel call with ``value = k``) and ``d lse_i / d k_j = scale * P_ij q_i`` (that
-  call's value gradient). It only runs when the LSE receives a gradient.
+  call's value gradient). It only runs when the LSE receives a gradient (sinks, and the
+  merge of ring rounds, differentiate through it).
 * sinks (the kernel has none): ``lse_s = logaddexp(lse, sink)``,
   ``out_s = out * exp(lse - lse_s)``, in fp32 autograd on top of the above, so the
   gradients w.r.t. q, k, v and the sinks are exact.
 
 Fallbacks to the reference (a ``UserWarning`` once per backend instance and reason):
-dtypes other than fp16/bf16, head dims above 256 or ``D_v > D``, a window on the torch
-2.10 form, and tensors not on a CUDA device (torch's own kernel only; an injected
-``varlen_attn``, as the tests use, is trusted with any device).
+dtypes other than fp16/bf16, head dims above 256 or ``D_v > D``, a window (finite
+``left``) on the torch 2.10 form, and tensors not on a CUDA device (torch's own kernel
+only; an injected ``varlen_attn``, as the tests use, is trusted with any device).
 """
 
 from __future__ import annotations
@@ -44,15 +53,16 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from cpkv.attention_plan import CompressedPlan, SegmentPlan
-from cpkv.backends.reference import AttentionResult
-from cpkv.backends.reference_backend import ReferenceBackend
-from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss
+from cpkv.backends.base import AttentionResult, KeyRanges
+from cpkv.backends.reference import ReferenceBackend
+from cpkv.plan.segments import EntryVisibility, SegmentPlan
 
 __all__ = ["CUDABackend"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+CAUSAL = (-1, 0)  # window_size of bottom-right causal attention
+FULL = (-1, -1)  # window_size of attention over every key
 _Apply = Callable[..., Tensor]  # autograd.Function.apply is untyped
 
 
@@ -65,8 +75,9 @@ class _KernelCall:
         window_form: True for the ``window_size``/``scale`` form (torch >= 2.11), False for
             torch 2.10's ``is_causal`` form.
         gqa: the function takes ``enable_gqa``.
-        max_q, max_k: longest query / key segment.
-        scale: softmax scale. window: ``W`` or None (causal).
+        max_q, max_k: longest query / key sequence (host ints).
+        scale: softmax scale.
+        window_size: ``(left, right)``, bottom-right aligned, ``-1`` = unbounded.
     """
 
     fn: Callable[..., Any]
@@ -75,7 +86,7 @@ class _KernelCall:
     max_q: int
     max_k: int
     scale: float
-    window: int | None
+    window_size: tuple[int, int]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -114,9 +125,9 @@ def _run_kernel(call: _KernelCall, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor
     kwargs["return_aux"] = AuxRequest(lse=True)
     if call.window_form:
         kwargs["scale"] = call.scale
-        kwargs["window_size"] = (-1, 0) if call.window is None else (call.window - 1, 0)
-    else:
-        kwargs["is_causal"] = True
+        kwargs["window_size"] = call.window_size
+    else:  # CAUSAL or FULL only (other windows fall back)
+        kwargs["is_causal"] = call.window_size == CAUSAL
         ratio = call.scale * math.sqrt(dim)  # the 2.10 form always uses 1/sqrt(D)
         if ratio != 1.0:
             q = q * ratio
@@ -155,7 +166,7 @@ class _LseGradient(torch.autograd.Function):
 def _varlen_with_sinks(
     call: _KernelCall, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, sinks: Tensor | None
 ) -> AttentionResult:
-    """Kernel attention with an exactly differentiable LSE and the sinks applied from it."""
+    """Kernel attention with an exactly differentiable LSE and the sinks (``[H]`` or None) applied from it."""
     out, lse_kernel = _run_kernel(call, q, k, v, cu_q, cu_k)
     lse = cast(_Apply, _LseGradient.apply)(lse_kernel.detach(), q, k, cu_q, cu_k, call)
     if sinks is None:
@@ -165,12 +176,23 @@ def _varlen_with_sinks(
     return AttentionResult(out, lse_sink)
 
 
+def _pad_rows(result: AttentionResult, num_tokens: int) -> AttentionResult:
+    """``result`` of the leading rows, padded (differentiably) to ``num_tokens`` rows: out 0, lse -inf."""
+    missing = num_tokens - result.out.shape[0]
+    if missing == 0:
+        return result
+    out = torch.nn.functional.pad(result.out, (0, 0, 0, 0, 0, missing))
+    return AttentionResult(out, torch.nn.functional.pad(result.lse, (0, 0, 0, missing), value=float("-inf")))
+
+
 class CUDABackend:
     """Flash varlen attention through ``torch.nn.attention.varlen.varlen_attn``; reference ops elsewhere.
 
+    Implements :class:`~cpkv.backends.base.AttentionBackend`; conventions in the module doc.
+
     Args:
         varlen_attn: the kernel function; default ``torch.nn.attention.varlen.varlen_attn``.
-            Tests inject a stand-in with the same signature.
+            Tests inject a stand-in with the same signature (trusted with any device).
         block_size: block size of the reference ops used for the sparse parts and fallbacks.
 
     Raises:
@@ -179,7 +201,7 @@ class CUDABackend:
 
     Example:
         >>> backend = CUDABackend()  # doctest: +SKIP
-        >>> layer(x_local, cu_seqlens, group, plan=plan, backend=backend)  # doctest: +SKIP
+        >>> layer(x_local, plan, group, backend=backend)  # doctest: +SKIP
     """
 
     name = "cuda"
@@ -200,22 +222,24 @@ class CUDABackend:
         self._reference = ReferenceBackend(block_size)
         self._warned: set[str] = set()
 
-    def _fallback_reason(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> str | None:
-        """Why the kernel cannot serve this call (None: it can)."""
+    def _fallback(self, q: Tensor, v: Tensor, window_size: tuple[int, int]) -> bool:
+        """Warn once per reason; True when the kernel cannot serve this call and the reference must."""
+        reason = None
         if q.dtype not in KERNEL_DTYPES:
-            return f"dtype {q.dtype} (flash kernels take float16/bfloat16)"
-        if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > q.shape[-1]:
-            return f"head dims D={q.shape[-1]}, D_v={v.shape[-1]} (flash kernels take D_v <= D <= {MAX_HEAD_DIM})"
-        if window is not None and not self._window_form:
-            return "a sliding window (this torch's varlen_attn has no window_size)"
-        if self._check_device and q.device.type != "cuda":
-            return f"device {q.device} (varlen_attn has no kernel there)"
-        return None
-
-    def _warn_once(self, reason: str) -> None:
-        if reason not in self._warned:
+            reason = f"dtype {q.dtype} (flash kernels take float16/bfloat16)"
+        elif q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > q.shape[-1]:
+            reason = f"head dims D={q.shape[-1]}, D_v={v.shape[-1]} (flash kernels take D_v <= D <= {MAX_HEAD_DIM})"
+        elif window_size not in (CAUSAL, FULL) and not self._window_form:
+            reason = "a sliding window (this torch's varlen_attn has no window_size)"
+        elif self._check_device and q.device.type != "cuda":
+            reason = f"device {q.device} (varlen_attn has no kernel there)"
+        if reason is not None and reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"CUDABackend: falling back to the reference attention for {reason}", UserWarning, stacklevel=3)
+        return reason is not None
+
+    def _call(self, max_q: int, max_k: int, scale: float, window_size: tuple[int, int]) -> _KernelCall:
+        return _KernelCall(self._varlen_attn, self._window_form, self._gqa, max_q, max_k, float(scale), window_size)
 
     def varlen_attention(
         self, q: Tensor, k: Tensor, v: Tensor, segments: SegmentPlan, *,
@@ -226,46 +250,70 @@ class CUDABackend:
         Args:
             q: ``[T_q, H, D]`` fp16/bf16. k: ``[T_kv, H_kv, D]``, v: ``[T_kv, H_kv, D_v]``.
             segments: pairs ``cu_seqlens_q`` with ``cu_seqlens_kv`` (leading 0, int32).
-            scale: softmax scale. window: ``W`` or None. sinks: ``[H]`` logits or None.
+            scale: softmax scale. window: ``W`` keys (the query's own and ``W - 1`` before) or
+                None (causal). sinks: ``[H]`` logits or None.
 
         Returns:
             ``AttentionResult(out [T_q, H, D_v] dtype of q, lse [T_q, H] fp32)``, both
             differentiable (q, k, v, sinks); the LSE includes the sink.
         """
-        reason = self._fallback_reason(q, k, v, window)
-        if reason is not None:
-            self._warn_once(reason)
-        if reason is not None or q.shape[0] == 0:
+        window_size = CAUSAL if window is None else (window - 1, 0)
+        if self._fallback(q, v, window_size) or q.shape[0] == 0:
             return self._reference.varlen_attention(q, k, v, segments, scale=scale, window=window, sinks=sinks)
-        call = _KernelCall(
-            self._varlen_attn, self._window_form, self._gqa, segments.max_seqlen_q, segments.max_seqlen_kv, float(scale), window
-        )
+        call = self._call(segments.max_seqlen_q, segments.max_seqlen_kv, scale, window_size)
         cu_q = segments.cu_seqlens_q.to(device=q.device, dtype=torch.int32)
         cu_k = segments.cu_seqlens_kv.to(device=q.device, dtype=torch.int32)
         return _varlen_with_sinks(call, q, k, v, cu_q, cu_k, sinks)
 
+    def range_attention(self, q: Tensor, k: Tensor, v: Tensor, ranges: KeyRanges, *, scale: float) -> AttentionResult:
+        """One ring round through the kernel, in the :class:`~cpkv.backends.base.KeyRanges` kernel form.
+
+        Query rows ``[0, num_rows)`` attend bottom-right aligned over all ``num_keys`` keys
+        with ``window_size=(left, -1)``; the other rows see no key.
+
+        Args:
+            q: ``[T_q, H, D]`` fp16/bf16. k: ``[n, H_kv, D]``, v: ``[n, H_kv, D_v]``, ``n = ranges.num_keys``.
+            ranges: the round's key ranges (only the host ints ``num_rows``, ``num_keys``,
+                ``left`` are read, no host sync). scale: softmax scale.
+
+        Returns:
+            ``AttentionResult(out [T_q, H, D_v] dtype of q, lse [T_q, H] fp32)``, both
+            differentiable (q, k, v); ``out = 0``, ``lse = -inf`` on rows that see no key.
+
+        Raises:
+            ValueError: ``ranges.num_keys`` is not k's row count or ``ranges.num_rows`` is not in ``[0, T_q]``.
+        """
+        num_rows, num_keys = ranges.num_rows, ranges.num_keys
+        if num_keys != k.shape[0] or not 0 <= num_rows <= q.shape[0]:
+            raise ValueError(
+                f"ranges must fit q [T_q={q.shape[0]}] and k [n={k.shape[0]}], got num_rows={num_rows}, num_keys={num_keys}"
+            )
+        if num_rows == 0 or num_keys == 0:
+            out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+            return AttentionResult(out, torch.full(q.shape[:2], float("-inf"), dtype=_acc(q.dtype), device=q.device))
+        window_size = (ranges.left, -1)
+        if self._fallback(q, v, window_size):
+            return self._reference.range_attention(q, k, v, ranges, scale=scale)
+        cu = torch.tensor([[0, num_rows], [0, num_keys]], dtype=torch.int32, device=q.device)
+        result = _varlen_with_sinks(self._call(num_rows, num_keys, scale, window_size), q[:num_rows], k, v, cu[0], cu[1], None)
+        return _pad_rows(result, q.shape[0])
+
     def sparse_attention(
-        self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, *,
-        d_v: int, scale: float, sinks: Tensor | None,
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None,
     ) -> AttentionResult:
         """The reference sparse attention on the GPU tensors (no fused kernel yet)."""
-        return self._reference.sparse_attention(q, kv, indices, segments, d_v=d_v, scale=scale, sinks=sinks)
+        return self._reference.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks)
+
+    def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
+        """The reference head-summed probabilities of the listed rows on the GPU tensors (no gradient)."""
+        return self._reference.selected_probs(q, kv, indices, lse, scale=scale)
 
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        compressed: CompressedPlan, *, topk: int,
+        visible: EntryVisibility, *, topk: int,
     ) -> Tensor:
         """The reference lightning-indexer top-k on the GPU tensors."""
-        return self._reference.indexer_topk(q_index, k_index, weights, segments, compressed, topk=topk)
-
-    def sparse_attention_with_indexer_loss(
-        self, q: Tensor, kv: Tensor, indices: Tensor, selected: Tensor, q_index: Tensor, k_index: Tensor,
-        weights: Tensor, segments: SegmentPlan, *, sinks: Tensor | None, config: IndexerLossConfig,
-    ) -> SparseAttentionWithLoss:
-        """The reference sparse attention with the indexer KL loss on the GPU tensors."""
-        return self._reference.sparse_attention_with_indexer_loss(
-            q, kv, indices, selected, q_index, k_index, weights, segments, sinks=sinks, config=config
-        )
+        return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
 
 
 def _torch_varlen_attn() -> Callable[..., Any] | None:

@@ -2,7 +2,8 @@
 
 ``torch_npu`` is imported lazily, in :class:`NPUBackend`'s constructor only (importing it
 where CANN is missing breaks ``import torch``); tests inject a stand-in module. One
-adapter per kernel converts cpkv's conventions (SEMANTICS sections 1, 3, 5, 7):
+adapter per kernel converts cpkv's conventions (docs/semantics.md, "Layouts", "The
+prefix-KV plan", "Compression modes" and "Fused ops: torch_npu"; docs/backends.md):
 
 * ``npu_fusion_attention`` (:func:`fusion_attention_chunks`): TND, host lists of
   cumulative ends **without** the leading 0 from the plan's ``actual_seq_qlen/kvlen``
@@ -27,7 +28,8 @@ adapter per kernel converts cpkv's conventions (SEMANTICS sections 1, 3, 5, 7):
   query/key are the first ``d_v`` channels (key is value), ``query_rope``/``key_rope`` the
   rest, so the score is the full-``D`` dot product. LSE = ``softmax_max[0] +
   log(softmax_sum[0])`` (``[1, T, H]`` in TND).
-* ``npu_lightning_indexer`` (:func:`indexer_calls`): the kernel's ``sparse_mode=3`` is
+* ``npu_lightning_indexer`` (:func:`indexer_calls`, from the plan's
+  :class:`~cpkv.plan.segments.EntryVisibility`): the kernel's ``sparse_mode=3`` is
   bottom-right causal over keys, while a query at document position ``p`` may see the
   first ``floor((p + 1) / m)`` compressed entries. Within a document the queries with
   ``p % m == rho`` see one more entry each, so each residue ``rho`` is one call whose
@@ -35,10 +37,12 @@ adapter per kernel converts cpkv's conventions (SEMANTICS sections 1, 3, 5, 7):
   (``v_last`` = the last such query's count): bottom-right causal is then exact.
   Queries seeing no entry are skipped (all -1). Indices come back relative to the
   document's first entry and are made absolute. ``m`` calls per layer.
-* ``sparse_attention_with_indexer_loss``: no fused op with the KL backward fits, so
-  ``npu_sparse_flash_attention`` (forward and its autograd) is composed with the
-  reference indexer-loss math (target from the kernel's LSE, gradient
-  ``(softmax(I) - p) * grad_scale / N`` injected in backward).
+* ``selected_probs`` (the indexer KL target, no gradient): the reference op on the device
+  tensors, from the sparse kernel's (detached) LSE; the pipeline attaches the indexer loss.
+* ``range_attention`` (ring rounds, ``ring_degree > 1``) is not supported: the merge of
+  rounds differentiates through each round's LSE, and these kernels return none with a
+  gradient. It raises ``NotImplementedError`` (the pipeline refuses ring rounds with this
+  backend before any collective).
 
 The LSEs these ops return carry no gradient (the kernels' ``softmax_max/sum`` are not
 differentiable); the pipeline uses only the outputs. Tie order among equal indexer scores
@@ -60,10 +64,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from cpkv.attention_plan import CompressedPlan, SegmentPlan
-from cpkv.backends.reference import AttentionResult, sparse_attention_head_probs
-from cpkv.backends.reference_backend import ReferenceBackend
-from cpkv.indexer_loss import IndexerLossConfig, SparseAttentionWithLoss, attach_indexer_loss
+from cpkv.backends.base import AttentionResult, KeyRanges
+from cpkv.backends.reference import ReferenceBackend
+from cpkv.plan.segments import EntryVisibility, SegmentPlan
 
 __all__ = ["FusionChunk", "IndexerCall", "NPUBackend", "fusion_attention_chunks", "indexer_calls", "sparse_kernel_layout"]
 
@@ -150,9 +153,15 @@ class IndexerCall(NamedTuple):
     key_start: Tensor
 
 
-def indexer_calls(q_positions: Tensor, q_doc_rows: Tensor, compressed: CompressedPlan) -> list[IndexerCall]:
-    """Calls whose bottom-right causal masks are exactly the compressed visibility (module doc)."""
-    ratio, count, start = compressed.ratio, compressed.visible_count, compressed.visible_start
+def indexer_calls(q_positions: Tensor, q_doc_rows: Tensor, visible: EntryVisibility) -> list[IndexerCall]:
+    """Calls whose bottom-right causal masks are exactly the compressed visibility (module doc).
+
+    Args:
+        q_positions: ``[T]`` int64 document position of each query (``SegmentPlan.q_positions``).
+        q_doc_rows: ``[T]`` int64 kv row of each query's document start (``SegmentPlan.q_doc_rows``).
+        visible: the entries each query may see, at the indexer's ratio.
+    """
+    ratio, count, start = visible.ratio, visible.visible_count, visible.visible_start
     calls = []
     for rho in range(ratio):
         rows = ((q_positions % ratio == rho) & (count > 0)).nonzero().flatten()
@@ -177,7 +186,7 @@ class NPUBackend:
             functions; default: ``import torch_npu`` here.
         check_dtypes: fall back to the reference for dtypes the kernels do not take;
             False passes every floating dtype to the kernels (stand-ins, newer CANN).
-        block_size: block size of the reference math used in fallbacks and the indexer loss.
+        block_size: block size of the reference ops used in fallbacks and ``selected_probs``.
 
     Raises:
         RuntimeError: torch_npu cannot be imported (it needs Ascend's CANN).
@@ -251,6 +260,17 @@ class NPUBackend:
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return AttentionResult(out[..., :d_v], lses[0] if len(lses) == 1 else torch.cat(lses))
 
+    def range_attention(self, q: Tensor, k: Tensor, v: Tensor, ranges: KeyRanges, *, scale: float) -> AttentionResult:
+        """Not supported: ring rounds need a differentiable LSE, which the NPU kernels do not return.
+
+        Raises:
+            NotImplementedError: always (use ``ring_degree=1`` with this backend).
+        """
+        raise NotImplementedError(
+            "NPUBackend has no range_attention: ring rounds (ring_degree > 1) merge through each round's LSE, "
+            "and npu_fusion_attention returns no LSE gradient; use ring_degree=1 with backend='npu'"
+        )
+
     def _fusion_call(
         self, q: Tensor, k: Tensor, v: Tensor, chunk: FusionChunk, scale: float, window: int | None, sinks: Tensor | None
     ) -> tuple[Tensor, Tensor]:
@@ -273,8 +293,7 @@ class NPUBackend:
         return reason
 
     def sparse_attention(
-        self, q: Tensor, kv: Tensor, indices: Tensor, segments: SegmentPlan, *,
-        d_v: int, scale: float, sinks: Tensor | None,
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None,
     ) -> AttentionResult:
         """``npu_sparse_flash_attention`` over the listed rows of the pipeline's kv buffer.
 
@@ -287,7 +306,7 @@ class NPUBackend:
             ``AttentionResult(out [T, H, d_v], lse [T, H] fp32, no gradient)``.
         """
         if self._fallback(self._sparse_reason(q, d_v)) or q.shape[0] == 0 or indices.shape[1] == 0:
-            return self._reference.sparse_attention(q, kv, indices, segments, d_v=d_v, scale=scale, sinks=sinks)
+            return self._reference.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks)
         return self._sparse_call(q, kv, indices, d_v, scale, sinks)
 
     def _sparse_call(self, q: Tensor, kv: Tensor, indices: Tensor, d_v: int, scale: float, sinks: Tensor | None) -> AttentionResult:
@@ -303,29 +322,42 @@ class NPUBackend:
         )[:3]
         return AttentionResult(out, (softmax_max[0] + torch.log(softmax_sum[0])).detach().float())
 
+    def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
+        """The reference head-summed probabilities of the listed rows, on the device tensors.
+
+        Args:
+            q: ``[T, H, D]``. kv: ``[N, D]``. indices: ``[T, K]`` rows of kv, -1 padded.
+            lse: ``[T, H]`` the sparse kernel's (detached) LSE. scale: softmax scale.
+
+        Returns:
+            ``[T, K]`` fp32 ``sum_h exp(q_h . kv[indices] * scale - lse_h)``, 0 at -1 (no gradient).
+        """
+        return self._reference.selected_probs(q, kv, indices, lse, scale=scale)
+
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        compressed: CompressedPlan, *, topk: int,
+        visible: EntryVisibility, *, topk: int,
     ) -> Tensor:
         """``npu_lightning_indexer`` top-k, one call per residue of the query positions mod ``m``.
 
         Args:
             q_index: ``[T, H_I, D_I]``. k_index: ``[N_c, D_I]`` (cast to q's dtype, as the
-                kernel requires). weights: ``[T, H_I]``. compressed: the plan at the
-                indexer's ratio. topk: entries per query.
+                kernel requires). weights: ``[T, H_I]``. segments: the plan (query
+                positions and document rows). visible: the entries each query may see, at
+                the indexer's ratio. topk: entries per query.
 
         Returns:
             ``[T, topk]`` int64 absolute rows of ``k_index``, -1 padded.
         """
         reason = self._dtype_reason("npu_lightning_indexer", q_index.dtype, SPARSE_DTYPES)
         if self._fallback(reason):
-            return self._reference.indexer_topk(q_index, k_index, weights, segments, compressed, topk=topk)
+            return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
         result = torch.full((q_index.shape[0], topk), -1, dtype=torch.int64, device=q_index.device)
-        if q_index.shape[0] == 0 or compressed.num_entries == 0:
+        if q_index.shape[0] == 0 or visible.num_entries == 0:
             return result
         key = k_index.to(q_index.dtype)[:, None, :]
         weights = weights if weights.dtype == torch.float32 else weights.to(q_index.dtype)
-        for call in indexer_calls(segments.q_positions, segments.q_doc_rows, compressed):
+        for call in indexer_calls(segments.q_positions, segments.q_doc_rows, visible):
             indices = self._npu.npu_lightning_indexer(
                 q_index[call.rows].contiguous(), key[call.key_rows].contiguous(), weights[call.rows].contiguous(),
                 actual_seq_lengths_query=call.seq_lengths_query, actual_seq_lengths_key=call.seq_lengths_key,
@@ -334,21 +366,3 @@ class NPUBackend:
             relative = indices[:, 0, :].long()
             result[call.rows] = torch.where(relative >= 0, relative + call.key_start[:, None], -1)
         return result
-
-    def sparse_attention_with_indexer_loss(
-        self, q: Tensor, kv: Tensor, indices: Tensor, selected: Tensor, q_index: Tensor, k_index: Tensor,
-        weights: Tensor, segments: SegmentPlan, *, sinks: Tensor | None, config: IndexerLossConfig,
-    ) -> SparseAttentionWithLoss:
-        """``npu_sparse_flash_attention`` composed with the reference indexer-loss math (module doc)."""
-        if self._fallback(self._sparse_reason(q, config.d_v)) or q.shape[0] == 0:
-            return self._reference.sparse_attention_with_indexer_loss(
-                q, kv, indices, selected, q_index, k_index, weights, segments, sinks=sinks, config=config
-            )
-        if indices.shape[1] != config.num_window + selected.shape[1]:
-            raise ValueError(
-                f"indices must be [T, num_window + K] = [T, {config.num_window + selected.shape[1]}], got {tuple(indices.shape)}"
-            )
-        result = self._sparse_call(q, kv, indices, config.d_v, config.scale, sinks)
-        with torch.no_grad():
-            probs = sparse_attention_head_probs(q, kv, indices, result.lse, scale=config.scale, block_size=config.block_size)
-        return attach_indexer_loss(result.out, q_index, k_index, weights, selected, probs[:, config.num_window :], config=config)

@@ -144,15 +144,16 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
         lines += [
             "", "## ring_degree: rounds of the kv exchange", "",
             f"Dense causal V4-style layer (hidden 64, head dim 32, fp32) at cp {args.wall_cp}, {args.wall_tokens:,} tokens"
-            " in long log-normal documents, `exchange=\"need\"`. Peak received kv = rows the ring loop holds at once"
-            " (current part + prefetched next; from the plan's routes, which the bytes test checks against counted"
-            " traffic), busiest rank. Wall time: forward + backward, slowest rank, best of 3.", "",
-            "| ring_degree | peak received kv rows | peak received kv bytes | vs R=1 | fwd+bwd s |", "|---|---|---|---|---|",
+            " in long log-normal documents, `exchange=\"need\"`. Largest round = received kv of the largest single"
+            " round (R = 1: the whole halo), busiest rank, from the plan's routes (which the bytes test checks against"
+            " counted traffic). Rounds run one after the other (no prefetch of the next round), so this is the remote"
+            " kv held at once. Wall time: forward + backward, slowest rank, best of 3.", "",
+            "| ring_degree | largest round kv rows | largest round kv bytes | vs R=1 | fwd+bwd s |", "|---|---|---|---|---|",
         ]
-        base = rings["1/peak_rows"] or 1.0
+        base = rings["1/round_rows"] or 1.0
         for ring in (1, 2, 4):
-            lines.append(f"| {ring} | {int(rings[f'{ring}/peak_rows']):,} | {int(rings[f'{ring}/peak_bytes']):,} |"
-                         f" {rings[f'{ring}/peak_rows'] / base:.2f} |"
+            lines.append(f"| {ring} | {int(rings[f'{ring}/round_rows']):,} | {int(rings[f'{ring}/round_bytes']):,} |"
+                         f" {rings[f'{ring}/round_rows'] / base:.2f} |"
                          f" {rings[f'{ring}/seconds']:.3f} |")
     return "\n".join(lines) + "\n"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from cpkv.attention_plan import plan_attention, plan_attention_zigzag_tnd
-from cpkv.layout import pad_documents
+from cpkv.plan.attention import plan_attention
+from cpkv.plan.conventions import pad_documents
 
 
 def causal_score_elements(cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor) -> int:
@@ -24,7 +24,7 @@ def rank_work(cu: Tensor, cp: int) -> dict[str, list[int]]:
     result: dict[str, list[int]] = {"contiguous": [], "zigzag": [], "contiguous_kv": [], "zigzag_kv": []}
     for rank in range(cp):
         contiguous = plan_attention(cu, cp, rank).segments
-        zigzag = plan_attention_zigzag_tnd(cu, cp, rank).segments
+        zigzag = plan_attention(cu, cp, rank, layout="zigzag").segments
         result["contiguous"].append(causal_score_elements(contiguous.cu_seqlens_q, contiguous.cu_seqlens_kv))
         result["zigzag"].append(causal_score_elements(zigzag.cu_seqlens_q, zigzag.cu_seqlens_kv))
         result["contiguous_kv"].append(int(contiguous.cu_seqlens_kv[-1]))

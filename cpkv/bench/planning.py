@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from cpkv.plan import compute_prefix_kv_cu_seqlens
+from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens
 
 
 def _plan_from_pairs(pairs: Iterable[tuple[int, int]], start: int, stop: int) -> tuple[list[int], list[int], int]:

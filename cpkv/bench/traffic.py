@@ -1,12 +1,13 @@
 """Bytes each rank receives per layer (forward + backward), counted on the real collective calls.
 
 The exchange functions the pipeline calls (``gather_from_sp_cp`` + ``rearrange_prefix_kv``
-for ``"allgather"``, ``exchange_rows`` with the :class:`~cpkv.exchange.NeedPlan` routes for
-``"need"``) run on **meta** tensors of the true sizes inside a *fake* process group
+for ``"allgather"``; ``exchange_rows`` along the routes of :func:`cpkv.plan_attention`'s plan
+for ``"need"``: ``plan.kv[window].halo``, ``plan.compressed[ratio].hidden`` and ``.entries``)
+run on **meta** tensors of the true sizes inside a *fake* process group
 (``torch.testing._internal.distributed.fake_pg``: collectives are accepted and do
 nothing). :func:`cpkv.commstats.count_bytes` wraps those collective calls and counts what
 each rank would receive; the attention math itself is not run (it does not change the
-traffic). ``tests/bench/test_traffic.py`` checks that this model counts the same bytes as
+traffic). ``tests/bench/test_bench.py`` checks that this model counts the same bytes as
 a real gloo run of ``attention_forward`` at small sizes.
 
 Copies are counted with a dispatch mode (bytes written by ``cat``, ``index_select``,
@@ -27,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpkv.comm import gather_from_sp_cp
 from cpkv.commstats import count_bytes
-from cpkv.exchange import exchange_rows, plan_need_exchange
-from cpkv.plan import compute_prefix_kv_cu_seqlens, rearrange_prefix_kv
-from cpkv.sharding import contiguous_shard_range
+from cpkv.exchange import exchange_rows
+from cpkv.plan.attention import plan_attention
+from cpkv.plan.prefix import rearrange_prefix_kv
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,15 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _meta(rows: int, cols: int, dims: Dims) -> Tensor:
-    dtype = torch.bfloat16 if dims.element_bytes == 2 else torch.float32
+def _meta(rows: int, cols: int, dims: Dims, dtype: torch.dtype | None = None) -> Tensor:
+    dtype = dtype or (torch.bfloat16 if dims.element_bytes == 2 else torch.float32)
     return torch.empty(rows, cols, device="meta", dtype=dtype, requires_grad=True)
 
 
 def _allgather(cu: Tensor, cp: int, rank: int, ratio: int, dims: Dims) -> tuple[list[Tensor], int]:
-    offset, local = contiguous_shard_range(int(cu[-1]), cp, rank)
-    plan = compute_prefix_kv_cu_seqlens(cu, offset, local)
+    attention_plan = plan_attention(cu, cp, rank)
+    plan, local = attention_plan.prefix, attention_plan.local_len
+    assert plan is not None  # contiguous layout
     counter = CopyCounter()
     gathered = [gather_from_sp_cp(_meta(local, dims.kv_dim, dims), None, tnd=True)]
     if ratio > 1:  # MindSpeed gathers the hidden states and recompresses the prefix
@@ -90,20 +92,22 @@ def _allgather(cu: Tensor, cp: int, rank: int, ratio: int, dims: Dims) -> tuple[
 
 
 def _need(cu: Tensor, cp: int, rank: int, ratio: int, dims: Dims) -> tuple[list[Tensor], int]:
-    _, local = contiguous_shard_range(int(cu[-1]), cp, rank)
     ratios = [ratio] if ratio > 1 else []
-    need = plan_need_exchange(cu, cp, rank, windows=[dims.window], compress_ratios=ratios)
+    plan = plan_attention(cu, cp, rank, exchange="need", compress_ratios=ratios, windows=[dims.window])
+    local, halo = plan.local_len, plan.kv[dims.window].halo
+    assert halo is not None  # ring_degree 1: the whole halo in one exchange
     kv = _meta(local, dims.kv_dim, dims)
     counter = CopyCounter()
     with counter:
-        outs = [torch.cat([exchange_rows(kv, need.kv[dims.window], None), kv])]
+        outs = [torch.cat([exchange_rows(kv, halo, None), kv])]
     if ratio > 1:
-        plan = need.compressed[ratio]
-        outs.append(exchange_rows(_meta(local, dims.hidden, dims), plan.hidden, None))
-        owned = plan.owned.num_entries
-        outs.append(exchange_rows(_meta(owned, dims.kv_dim, dims), plan.entries, None))
-        if ratio == 4:  # the indexer's compressed keys travel the same routes
-            outs.append(exchange_rows(_meta(owned, dims.index_dim, dims), plan.entries, None))
+        routes = plan.compressed[ratio]
+        outs.append(exchange_rows(_meta(local, dims.hidden, dims), routes.hidden, None))
+        owned = routes.owned.num_entries
+        outs.append(exchange_rows(_meta(owned, dims.kv_dim, dims), routes.entries, None))
+        if ratio == 4:  # the indexer's compressed keys travel the same routes, in the fp32 compute dtype
+            key_dtype = torch.promote_types(kv.dtype, torch.float32)
+            outs.append(exchange_rows(_meta(owned, dims.index_dim, dims, key_dtype), routes.entries, None))
     return outs, counter.bytes
 
 

@@ -7,22 +7,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from cpkv.attention_plan import plan_attention
 from cpkv.launch import spawn
-from cpkv.ring import peak_received_rows
-from cpkv.sharding import shard_contiguous
+from cpkv.plan.attention import AttentionPlan, plan_attention
+from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
 
-def _best_seconds(layer: V4Attention, x: torch.Tensor, cu: torch.Tensor, plan: object, world: int, rank: int,
-                  repeats: int, **options: object) -> float:
+def _best_seconds(layer: V4Attention, x: torch.Tensor, plan: AttentionPlan, world: int, rank: int, repeats: int) -> float:
     """Best-of-``repeats`` seconds of forward + backward on this rank, ranks aligned by barriers."""
     best = float("inf")
     for _ in range(repeats):
         x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
         dist.barrier()
         start = time.perf_counter()
-        out = layer(x_local, cu, None, plan=plan, **options).out
+        out = layer(x_local, plan, None).out
         torch.autograd.backward(out, torch.ones_like(out))
         dist.barrier()
         best = min(best, time.perf_counter() - start)
@@ -31,12 +29,16 @@ def _best_seconds(layer: V4Attention, x: torch.Tensor, cu: torch.Tensor, plan: o
 
 def _rank_times(rank: int, world: int, cu: torch.Tensor, ratios: list[int], repeats: int) -> dict[str, float]:
     times: dict[str, float] = {}
-    plan = plan_attention(cu, world, rank, compress_ratios=[r for r in ratios if r > 1], need_windows=[128])
+    compressed = [r for r in ratios if r > 1]
+    plans = {  # once per micro-batch, shared by every layer kind
+        exchange: plan_attention(cu, world, rank, exchange=exchange, compress_ratios=compressed, windows=[128])
+        for exchange in ("allgather", "need")
+    }
     x = torch.randn(int(cu[-1]), 64, generator=torch.Generator().manual_seed(0))
     for ratio in ratios:
         layer = V4Attention(V4Config(compress_ratio=ratio, window=128, topk=64), seed=0)
-        for exchange in ("allgather", "need"):
-            times[f"{ratio}/{exchange}"] = _best_seconds(layer, x, cu, plan, world, rank, repeats, exchange=exchange)
+        for exchange, plan in plans.items():
+            times[f"{ratio}/{exchange}"] = _best_seconds(layer, x, plan, world, rank, repeats)
     return times
 
 
@@ -46,22 +48,32 @@ def wall_times(cu: torch.Tensor, cp: int, ratios: list[int], repeats: int = 3) -
     return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
 
 
+def largest_round_rows(plan: AttentionPlan, window: int | None) -> int:
+    """Received kv rows of the largest single exchange of the need plan's ``window`` source on this rank.
+
+    ``ring_degree == 1``: the halo; otherwise the largest ring round (rounds run one after
+    the other, so a round's rows are the most remote kv held at once).
+    """
+    source = plan.kv_source(window)
+    sizes = [source.halo.num_recv] if source.halo is not None else []
+    sizes += [ring_round.routes.num_recv for ring_round in source.rounds]
+    return max(sizes, default=0)
+
+
 def _ring_times(rank: int, world: int, cu: torch.Tensor, rings: list[int], repeats: int) -> dict[str, float]:
     x = torch.randn(int(cu[-1]), 64, generator=torch.Generator().manual_seed(0))
     layer = V4Attention(V4Config(compress_ratio=0, window=None), seed=0)
     times: dict[str, float] = {}
     for ring in rings:
-        plan = plan_attention(cu, world, rank, need_windows=[None], ring_degree=ring)
-        if plan.need is None:
-            raise RuntimeError("plan_attention did not plan the need-based exchange")
-        rows = peak_received_rows(plan.need, None)
-        times[f"{ring}/peak_rows"] = float(rows)
-        times[f"{ring}/peak_bytes"] = float(rows * layer.config.head_dim * x.element_size())
-        times[f"{ring}/seconds"] = _best_seconds(layer, x, cu, plan, world, rank, repeats, exchange="need", ring_degree=ring)
+        plan = plan_attention(cu, world, rank, exchange="need", ring_degree=ring, windows=[None])
+        rows = largest_round_rows(plan, None)
+        times[f"{ring}/round_rows"] = float(rows)
+        times[f"{ring}/round_bytes"] = float(rows * layer.config.head_dim * x.element_size())
+        times[f"{ring}/seconds"] = _best_seconds(layer, x, plan, world, rank, repeats)
     return times
 
 
 def ring_times(cu: torch.Tensor, cp: int, rings: list[int], repeats: int = 3) -> dict[str, float]:
-    """Per ring degree: peak received-kv rows held at once (max over ranks) and wall seconds (slowest rank)."""
+    """Per ring degree: received kv rows of the largest single round (max over ranks) and wall seconds (slowest rank)."""
     per_rank = spawn(_ring_times, cp, cu, rings, repeats, timeout=600.0)
     return {key: max(r[key] for r in per_rank) for key in per_rank[0]}

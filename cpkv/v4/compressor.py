@@ -1,11 +1,11 @@
-"""Learned gated pooling of ``m`` tokens into one compressed kv entry (SEMANTICS section 5)."""
+"""Learned gated pooling of ``m`` tokens into one compressed kv entry (docs/semantics.md)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from cpkv.attention_plan import CompressedPlan
+from cpkv.plan.segments import CompressedPlan
 from cpkv.v4.rope import apply_rope
 
 

@@ -7,18 +7,16 @@ modules (projections, compressor, indexer) with the CP pipeline, not its index m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from cpkv.attention_plan import CompressedPlan, plan_segments
 from cpkv.compress_mode import LayerCompressMode
-from cpkv.layout import token_positions, validate_cu_seqlens
-
-if TYPE_CHECKING:
-    from cpkv.v4.indexer import Indexer
-    from cpkv.v4.layer import LayerOutput, V4Attention
+from cpkv.plan.conventions import token_positions, validate_cu_seqlens
+from cpkv.plan.segments import CompressedPlan, plan_segments
+from cpkv.v4.indexer import Indexer
+from cpkv.v4.layer import LayerOutput, V4Attention
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -52,10 +50,24 @@ def _dense(q: Tensor, keys: Tensor, mask: Tensor, d_v: int, sinks: Tensor | None
     return torch.einsum("thk,kd->thd", probs, keys.to(dtype)[:, :d_v]).to(q.dtype), probs
 
 
-def dense_layer_attention(layer: V4Attention, x: Tensor, cu_seqlens: Tensor, *, grad_scale: float) -> LayerOutput:
-    """See :meth:`V4Attention.reference_forward`."""
-    from cpkv.v4.layer import LayerOutput
+def reference_forward(layer: V4Attention, x: Tensor, cu_seqlens: Tensor, *, grad_scale: float = 1.0) -> LayerOutput:
+    """``layer`` on the whole packed batch ``x`` ``[T, hidden]`` in one process, by dense brute force.
 
+    Independent of the CP pipeline: explicit ``[T, T + N_c]`` masks, a dense softmax with
+    sinks, and the indexer loss by plain autograd of ``grad_scale * sum_t KL_t / T``. Memory is
+    quadratic in ``T``: for tests and the demo.
+
+    Args:
+        layer: the :class:`V4Attention` (its parameters are shared with the CP run).
+        x: ``[T, hidden]`` the whole packed batch. cu_seqlens: ``[B + 1]`` leading-zero, last = T.
+        grad_scale: multiplies the indexer-loss gradient, as in the CP run.
+
+    Returns:
+        :class:`LayerOutput` (``out`` ``[T, hidden]``, the indexer loss or ``None``).
+
+    Raises:
+        ValueError: invalid ``cu_seqlens``.
+    """
     c = layer.config
     validate_cu_seqlens(cu_seqlens, num_tokens=x.shape[0])
     num = x.shape[0]
@@ -69,10 +81,10 @@ def dense_layer_attention(layer: V4Attention, x: Tensor, cu_seqlens: Tensor, *, 
     keys, loss = kv, None
     compressed = None
     if c.mode.compresses and layer.compressor is not None:
-        cmp_plan = plan_segments(cu_seqlens, cu_seqlens, compress_ratios=[c.compress_ratio]).compressed[0]
+        whole = plan_segments(cu_seqlens, cu_seqlens, compress_ratios=[c.compress_ratio])
+        cmp_plan, cu_cmp = whole.compressed[0], whole.visible[0].cu_seqlens
         compressed = layer.compressor(x, cmp_plan)
     if compressed is not None:
-        cu_cmp = cmp_plan.cu_seqlens
         entry_doc = _document_ids(cu_cmp, compressed.shape[0])
         entry_j = torch.arange(compressed.shape[0], device=x.device) - cu_cmp.long()[entry_doc]
         visible = (entry_doc[None, :] == docs[:, None]) & (entry_j[None, :] < (positions[:, None] + 1) // c.compress_ratio)

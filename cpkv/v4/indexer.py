@@ -1,10 +1,10 @@
-"""The lightning indexer: scores compressed entries for each query (SEMANTICS section 5)."""
+"""The lightning indexer: scores compressed entries for each query (docs/semantics.md)."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from cpkv.attention_plan import CompressedPlan
+from cpkv.plan.segments import CompressedPlan
 from cpkv.v4.compressor import Compressor
 from cpkv.v4.rope import apply_rope
 

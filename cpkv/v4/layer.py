@@ -9,10 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from cpkv.attention import AttentionSpec, attention_forward
-from cpkv.attention_zigzag import attention_forward_bsnd, attention_forward_zigzag_tnd
-from cpkv.attention_plan import AttentionPlan, BSNDPlan, ZigzagTNDPlan
-from cpkv.backends import AttentionBackend
-from cpkv.comm import Group
+from cpkv.backends.base import AttentionBackend, BackendName
+from cpkv.checks import check_ndim, check_tensor
+from cpkv.collectives import Group
+from cpkv.plan.attention import AttentionPlan
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.v4.compressor import Compressor
 from cpkv.v4.indexer import Indexer
@@ -96,60 +96,26 @@ class V4Attention(nn.Module):
         return q, kv
 
     def forward(
-        self, x: Tensor, cu_seqlens: Tensor, group: Group, *, plan: AttentionPlan,
-        backend: str | AttentionBackend = "reference", grad_scale: float = 1.0, ring_degree: int = 1,
-        exchange: str = "allgather",
+        self, x: Tensor, plan: AttentionPlan, group: Group, *,
+        backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
     ) -> LayerOutput:
-        """The layer on this rank's contiguous TND shard ``x`` ``[T/cp, hidden]`` under CP.
+        """The layer on this rank's shard ``x`` ``[T/cp, hidden]`` (in shard order) under CP.
 
         ``plan`` comes from :func:`cpkv.plan_attention` (once per micro-batch, with this
-        layer's ``compress_ratio`` among ``compress_ratios``, and its window among
-        ``need_windows`` for ``exchange="need"``).
+        layer's ``compress_ratio`` among ``compress_ratios`` and, for ``exchange="need"``, its
+        window among ``windows``); it fixes the layout, exchange and rounds. For zigzag BSND,
+        pass ``x.flatten(0, 1)`` with a plan of :func:`cpkv.bsnd_cu_seqlens`.
         """
-        q, kv = self.project(x, plan.segments.q_positions)
+        check_ndim("x", check_tensor("x", x), 2, "[T/cp, hidden]")
+        if x.shape[-1] != self.config.hidden:
+            raise ValueError(f"x must be [T/cp, hidden] with hidden = {self.config.hidden}, got {tuple(x.shape)}")
+        if isinstance(plan, AttentionPlan) and x.shape[0] != plan.local_len:
+            raise ValueError(f"x must hold this rank's {plan.local_len} tokens (plan.local_len), got {x.shape[0]}")
+        positions = plan.q_positions if isinstance(plan, AttentionPlan) else x.new_zeros(x.shape[0], dtype=torch.int64)
+        q, kv = self.project(x, positions)
         result = attention_forward(
-            q, kv, cu_seqlens, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
-            compressor=self.compressor, indexer=self.indexer, plan=plan, backend=backend,
-            ring_degree=ring_degree, grad_scale=grad_scale, exchange=exchange,
+            q, kv, plan, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
+            compressor=self.compressor, indexer=self.indexer, backend=backend, grad_scale=grad_scale,
         )
         out: Tensor = self.wo(result.out.flatten(1))
         return LayerOutput(out, result.indexer_loss)
-
-    def forward_zigzag_tnd(
-        self, x: Tensor, cu_seqlens: Tensor, group: Group, *, plan: ZigzagTNDPlan,
-        backend: str | AttentionBackend = "reference", grad_scale: float = 1.0,
-    ) -> LayerOutput:
-        """The layer on this rank's per-document zigzag TND shard ``x`` ``[T/cp, hidden]``."""
-        q, kv = self.project(x, plan.segments.q_positions)
-        result = attention_forward_zigzag_tnd(
-            q, kv, cu_seqlens, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
-            compressor=self.compressor, indexer=self.indexer, plan=plan, backend=backend, grad_scale=grad_scale,
-        )
-        out: Tensor = self.wo(result.out.flatten(1))
-        return LayerOutput(out, result.indexer_loss)
-
-    def forward_bsnd(
-        self, x: Tensor, group: Group, *, plan: BSNDPlan,
-        backend: str | AttentionBackend = "reference", grad_scale: float = 1.0,
-    ) -> LayerOutput:
-        """The layer on this rank's zigzag BSND shard ``x`` ``[B, S/cp, hidden]`` under CP."""
-        batch, local = x.shape[0], x.shape[1]
-        q, kv = self.project(x.flatten(0, 1), plan.positions.repeat(batch))
-        result = attention_forward_bsnd(
-            q.reshape(batch, local, *q.shape[1:]), kv.reshape(batch, local, -1), group, spec=self.config.spec,
-            sinks=self.sinks, hidden=x, compressor=self.compressor, indexer=self.indexer, plan=plan,
-            backend=backend, grad_scale=grad_scale,
-        )
-        out: Tensor = self.wo(result.out.flatten(2))
-        return LayerOutput(out, result.indexer_loss)
-
-    def reference_forward(self, x: Tensor, cu_seqlens: Tensor, *, grad_scale: float = 1.0) -> LayerOutput:
-        """The whole packed batch ``x`` ``[T, hidden]`` in one process, by dense brute force.
-
-        Independent of the CP pipeline: explicit ``[T, T + N_c]`` masks, a dense softmax
-        with sinks, and the indexer loss by plain autograd of ``grad_scale * sum_t KL_t / T``.
-        Memory is quadratic in ``T``: for tests and the demo.
-        """
-        from cpkv.v4.dense_reference import dense_layer_attention
-
-        return dense_layer_attention(self, x, cu_seqlens, grad_scale=grad_scale)

@@ -1,7 +1,7 @@
 """Contract tests of NPUBackend against a stand-in ``torch_npu``.
 
 This verifies cpkv's **marshalling against the documented semantics** of torch_npu's
-ops (SEMANTICS section 7 and the CANN op docs), **not the hardware**. The stand-in
+ops (docs/semantics.md, "Fused ops: torch_npu", and the CANN op docs), **not the hardware**. The stand-in
 (1) checks every call against the schemas (argument names, layouts, host lists of ints
 without a leading 0, monotone, ending at the token count, the 2048x2048 causal mask
 whenever ``sparse_mode`` is 2, 3 or 4, ``head_num``, an explicit scale, int32 ``[T, 1, K]``
@@ -13,10 +13,13 @@ through NPUBackend must then equal the reference backend, forward and backward, 
 compress mode. Hardware limits the stand-in does not model: dtypes (the runs are fp64,
 ``check_dtypes=False``), head dims (the kernels take D=512/rope 64 or 128), tie order.
 Mutations (a dropped mask, a leading 0, a kv buffer without the padding rows) must be caught.
+``range_attention`` (ring rounds) is refused with ``NotImplementedError``; ``selected_probs``
+is the reference op.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import warnings
@@ -27,12 +30,15 @@ import torch
 from torch import Tensor
 
 import cpkv.backends.npu as npu_module
-from cpkv.attention_plan import SegmentPlan, plan_attention
+from cpkv import plan_attention
 from cpkv.backends import ReferenceBackend, reference
+from cpkv.backends.base import AttentionBackend, KeyRanges
 from cpkv.backends.npu import NPUBackend
 from cpkv.launch import spawn
-from cpkv.layout import seqlens_to_cu_seqlens
-from cpkv.sharding import shard_contiguous
+from cpkv.plan.conventions import seqlens_to_cu_seqlens
+from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens
+from cpkv.plan.segments import SegmentPlan, plan_segments
+from cpkv.plan.sharding import contiguous_shard_range, shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
 UNSET: Any = object()
@@ -217,11 +223,11 @@ def _run_case(rank: int, world: int, name: str, kind: str, exchange: str) -> dic
     grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64)
     layer = V4Attention(config, seed=7).double()
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, compress_ratios=ratios, need_windows=[config.window])
+    plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=ratios, windows=[config.window])  # type: ignore[arg-type]
     stand_in = StandInTorchNPU()
     backend = NPUBackend(torch_npu_module=stand_in, check_dtypes=False) if kind == "npu" else ReferenceBackend()
     x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
-    result = layer(x_local, cu, None, plan=plan, backend=backend, grad_scale=2.0, exchange=exchange)
+    result = layer(x_local, plan, None, backend=backend, grad_scale=2.0)
     result.out.backward(shard_contiguous(grad_out, world, rank))
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     return {"out": result.out.detach(), "grad_x": x_local.grad, "grads": grads, "loss": result.indexer_loss, "calls": set(stand_in.calls)}
@@ -265,8 +271,15 @@ def test_layer_through_npu_backend_equals_reference(layer_runs: Any, name: str, 
 # --------------------------------------------------------------------------- op level and mutations
 
 
+def _segments(lengths: list[int], world: int = 2, rank: int = 1, ratio: int = 4) -> SegmentPlan:
+    """Rank ``rank`` of ``world`` (contiguous TND): queries with their causal kv prefixes."""
+    cu = seqlens_to_cu_seqlens(lengths)
+    prefix = compute_prefix_kv_cu_seqlens(cu, *contiguous_shard_range(int(cu[-1]), world, rank))
+    return plan_segments(prefix.cu_seqlens_q, prefix.cu_seqlens_kv, compress_ratios=[ratio])
+
+
 def _plan(world: int = 2, rank: int = 1, ratio: int = 4) -> SegmentPlan:
-    return plan_attention(seqlens_to_cu_seqlens(LENGTHS), world, rank, compress_ratios=[ratio]).segments
+    return _segments(LENGTHS, world, rank, ratio)
 
 
 def _varlen_inputs(segments: SegmentPlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -292,7 +305,7 @@ def test_varlen_matches_reference(window: int | None) -> None:
 
 def test_more_than_1k_segments_are_split() -> None:
     lengths = [1 + i % 3 for i in range(1500)]  # 1500 documents, 3000 tokens
-    segments = plan_attention(seqlens_to_cu_seqlens(lengths), 1, 0).segments
+    segments = _segments(lengths, 1, 0)
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(3000, 2, 8, generator=gen, dtype=torch.float64), torch.randn(3000, 1, 8, generator=gen, dtype=torch.float64)
     stand_in = StandInTorchNPU()
@@ -305,32 +318,66 @@ def test_more_than_1k_segments_are_split() -> None:
 def test_indexer_topk_matches_reference_exactly() -> None:
     for world, rank in ((1, 0), (2, 0), (2, 1), (3, 2)):
         segments = _plan(world, rank)
-        cmp = segments.compressed_for(4)
+        visible = segments.visible_for(4)
         gen = torch.Generator().manual_seed(world + rank)
         q = torch.randn(segments.num_queries, 2, 8, generator=gen, dtype=torch.float64)
-        k, w = torch.randn(cmp.num_entries, 8, generator=gen, dtype=torch.float64), torch.randn(q.shape[:2], generator=gen, dtype=torch.float64)
-        got = _npu().indexer_topk(q, k, w, segments, cmp, topk=5)
-        want = ReferenceBackend().indexer_topk(q, k, w, segments, cmp, topk=5)
+        k, w = torch.randn(visible.num_entries, 8, generator=gen, dtype=torch.float64), torch.randn(q.shape[:2], generator=gen, dtype=torch.float64)
+        got = _npu().indexer_topk(q, k, w, segments, visible, topk=5)
+        want = ReferenceBackend().indexer_topk(q, k, w, segments, visible, topk=5)
         assert torch.equal(got, want), f"cp {world} rank {rank}"
 
 
 def _sparse_inputs(segments: SegmentPlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    cmp = segments.compressed_for(4)
+    visible = segments.visible_for(4)
     num_prefix = int(segments.cu_seqlens_kv[-1])
-    indices = torch.cat([segments.window_indices(6), cmp.visible_indices(offset=num_prefix)], dim=1)
+    indices = torch.cat([segments.window_indices(6), visible.visible_indices(offset=num_prefix)], dim=1)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(segments.num_queries, 4, 16, generator=gen, dtype=torch.float64)
-    kv = torch.randn(num_prefix + cmp.num_entries, 16, generator=gen, dtype=torch.float64)
+    kv = torch.randn(num_prefix + visible.num_entries, 16, generator=gen, dtype=torch.float64)
     return q, kv, indices, torch.randn(4, generator=gen, dtype=torch.float64)
 
 
 def test_sparse_attention_matches_reference() -> None:
     segments = _plan()
     q, kv, indices, sinks = _sparse_inputs(segments)
-    got = _npu().sparse_attention(q, kv, indices, segments, d_v=12, scale=0.25, sinks=sinks)
-    want = ReferenceBackend().sparse_attention(q, kv, indices, segments, d_v=12, scale=0.25, sinks=sinks)
+    got = _npu().sparse_attention(q, kv, indices, d_v=12, scale=0.25, sinks=sinks)
+    want = ReferenceBackend().sparse_attention(q, kv, indices, d_v=12, scale=0.25, sinks=sinks)
     torch.testing.assert_close(got.out, want.out)
     torch.testing.assert_close(got.lse, want.lse.float())
+
+
+def test_selected_probs_from_the_kernel_lse_match_reference() -> None:
+    """The KL target: head-summed probabilities from the sparse kernel's (detached) LSE equal the reference's."""
+    segments = _plan()
+    q, kv, indices, sinks = _sparse_inputs(segments)
+    stand_in = StandInTorchNPU()
+    backend, reference_backend = _npu(stand_in), ReferenceBackend()
+    lse = backend.sparse_attention(q, kv, indices, d_v=12, scale=0.25, sinks=sinks).lse
+    assert not lse.requires_grad
+    got = backend.selected_probs(q, kv, indices, lse, scale=0.25)
+    want_lse = reference_backend.sparse_attention(q, kv, indices, d_v=12, scale=0.25, sinks=sinks).lse
+    want = reference_backend.selected_probs(q, kv, indices, want_lse, scale=0.25)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-9)  # the kernel LSE is fp32
+    assert stand_in.calls == ["npu_sparse_flash_attention"]  # selected_probs calls no kernel
+    assert bool((got[indices < 0] == 0).all()) and float(got.sum(1).max()) <= q.shape[1] + 1e-6  # summed over heads
+
+
+def test_range_attention_is_refused() -> None:
+    """Ring rounds need a differentiable LSE: refused clearly, before any kernel call."""
+    stand_in = StandInTorchNPU()
+    q, k = torch.randn(6, 4, 16, dtype=torch.float64), torch.randn(5, 1, 16, dtype=torch.float64)
+    ranges = KeyRanges(lo=torch.zeros(6, dtype=torch.int64), hi=torch.full((6,), 5), num_keys=5, num_rows=6, left=-1)
+    with pytest.raises(NotImplementedError, match="ring_degree > 1"):
+        _npu(stand_in).range_attention(q, k, k, ranges, scale=0.25)
+    assert stand_in.calls == []
+
+
+def test_implements_every_primitive_of_the_protocol() -> None:
+    for name in ("varlen_attention", "range_attention", "sparse_attention", "selected_probs", "indexer_topk"):
+        want = [(p.name, p.kind) for p in inspect.signature(getattr(AttentionBackend, name)).parameters.values()]
+        got = [(p.name, p.kind) for p in inspect.signature(getattr(NPUBackend, name)).parameters.values()]
+        assert got == want, name
+    assert not hasattr(NPUBackend, "sparse_attention_with_indexer_loss")
 
 
 def test_mutation_dropped_causal_mask_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -366,8 +413,8 @@ def test_mutation_buffer_without_padding_rows_is_caught(monkeypatch: pytest.Monk
     monkeypatch.setattr(npu_module, "sparse_kernel_layout", unpadded)
     segments = _plan()
     q, kv, indices, sinks = _sparse_inputs(segments)
-    got = _npu().sparse_attention(q, kv, indices, segments, d_v=12, scale=0.25, sinks=sinks)
-    want = ReferenceBackend().sparse_attention(q, kv, indices, segments, d_v=12, scale=0.25, sinks=sinks)
+    got = _npu().sparse_attention(q, kv, indices, d_v=12, scale=0.25, sinks=sinks)
+    want = ReferenceBackend().sparse_attention(q, kv, indices, d_v=12, scale=0.25, sinks=sinks)
     assert not torch.allclose(got.out, want.out)
 
 
@@ -379,10 +426,10 @@ def test_dtype_fallback_warns_once_and_calls_no_kernel() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            got = backend.sparse_attention(q.float(), kv.float(), indices, segments, d_v=12, scale=0.25, sinks=sinks.float())
+            got = backend.sparse_attention(q.float(), kv.float(), indices, d_v=12, scale=0.25, sinks=sinks.float())
     assert [str(w.message).count("falling back") for w in caught] == [1]
     assert stand_in.calls == []
-    want = ReferenceBackend().sparse_attention(q.float(), kv.float(), indices, segments, d_v=12, scale=0.25, sinks=sinks.float())
+    want = ReferenceBackend().sparse_attention(q.float(), kv.float(), indices, d_v=12, scale=0.25, sinks=sinks.float())
     torch.testing.assert_close(got.out, want.out)
 
 

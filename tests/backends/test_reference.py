@@ -1,4 +1,7 @@
-"""Tests for cpkv.backends.reference against an independent brute-force fp64 oracle."""
+"""Tests for the validated functions of cpkv.backends.reference against a brute-force fp64 oracle.
+
+The custom ops themselves (opcheck, compile, the backend) are tested in test_reference_ops.py.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from cpkv.backends import reference
+import cpkv.backends.reference.varlen as varlen_module
 from cpkv.backends.reference import (
     indexer_scores,
     indexer_topk,
+    range_attention,
     sparse_attention,
     sparse_attention_head_probs,
     varlen_attention,
@@ -209,22 +213,68 @@ def test_varlen_no_queries() -> None:
 
 
 def test_varlen_blocks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """4096 x 4096 causal with block_size=256: every score tile is at most [256, H, 256]."""
+    """512 x 512 causal with block_size=64: every score tile is at most [64, H, 64]."""
     seen: list[int] = []
-    scores = reference._varlen_scores
+    scores = varlen_module._range_scores
 
     def spy(*args: Any) -> Tensor:
         s = scores(*args)
         seen.append(s.numel())
         return s
 
-    monkeypatch.setattr(reference, "_varlen_scores", spy)
-    t, h = 4096, 2
+    monkeypatch.setattr(varlen_module, "_range_scores", spy)
+    t, h = 512, 2
     q, k, v = (rand(t, h, 16, dtype=torch.float32, seed=i).requires_grad_(True) for i in range(3))
-    out = varlen_attention(q, k, v, cu([t]), cu([t]), block_size=256).out
+    out = varlen_attention(q, k, v, cu([t]), cu([t]), block_size=64).out
     grad_list = torch.autograd.grad(out.sum(), [q, k, v])
-    assert max(seen) == 256 * h * 256  # forward and backward tiles alike
+    assert max(seen) == 64 * h * 64  # forward and backward tiles alike
+    assert len(seen) == 2 * (8 * 9 // 2)  # causal: only the 36 tiles on or below the diagonal, twice
     assert all(bool(g.isfinite().all()) for g in grad_list)
+
+
+# --------------------------------------------------------------------------- key ranges
+
+# Row t sees keys [lo, hi): rows 0 and 3 see nothing, the ranges overlap; both non-decreasing.
+RANGE_LO = torch.tensor([0, 0, 0, 3, 3, 3, 5, 5])
+RANGE_HI = torch.tensor([0, 1, 3, 3, 5, 7, 7, 9])
+
+
+def range_mask(lo: Tensor, hi: Tensor, n: int) -> Tensor:
+    mask = torch.zeros(lo.numel(), n, dtype=torch.bool)
+    for t, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+        for j in range(a, b):
+            mask[t, j] = True
+    return mask
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("block_size", [1, 3, 1024])
+def test_range_matches_oracle_fp64(with_sinks: bool, block_size: int) -> None:
+    lo, hi = RANGE_LO, RANGE_HI
+    q, k, v = rand(8, 4, 6), rand(9, 2, 6, seed=1), rand(9, 2, 5, seed=2)
+    inputs = [q, k, v] + ([rand(4, seed=3)] if with_sinks else [])
+    mask = range_mask(lo, hi, 9)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, *sinks: Tensor) -> tuple[Tensor, Tensor]:
+        return range_attention(q, k, v, lo, hi, scale=0.6, sinks=sinks[0] if sinks else None, block_size=block_size)
+
+    out, lse, got = grads(run, inputs)  # the lse term checks the gradient through lse
+    ref_out, ref_lse, expected = grads(lambda q, k, v, *s: oracle(q, k, v, mask, 0.6, *s), inputs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
+    if not with_sinks:
+        assert bool(lse[0].isneginf().all()) and torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_range_empty_rows_where_hi_below_lo() -> None:
+    """A row with lo > hi sees nothing, exactly like lo == hi (out 0, lse -inf)."""
+    q, k, v = rand(8, 2, 4), rand(9, 1, 4, seed=1), rand(9, 1, 4, seed=2)
+    a = range_attention(q, k, v, RANGE_LO, RANGE_HI)
+    b = range_attention(q, k, v, RANGE_LO, RANGE_HI.where(torch.arange(8) != 3, 1))
+    assert torch.equal(a.out, b.out) and torch.equal(a.lse, b.lse)
+    assert bool(b.lse[3].isneginf().all()) and torch.equal(b.out[3], torch.zeros_like(b.out[3]))
 
 
 # --------------------------------------------------------------------------- sparse
@@ -350,6 +400,10 @@ BAD_CALLS = [
     ("block_size", ValueError, lambda: varlen_attention(Q, K, V, CQ, CK, block_size=0)),
     ("sinks", ValueError, lambda: varlen_attention(Q, K, V, CQ, CK, sinks=torch.zeros(3))),
     ("sinks", TypeError, lambda: sparse_attention(Q, KV, IDX, d_v=4, sinks=torch.zeros(4, dtype=torch.int64))),
+    ("key_lo", TypeError, lambda: range_attention(Q, K, V, START.float(), COUNT)),
+    ("key_hi.shape", ValueError, lambda: range_attention(Q, K, V, START, COUNT[:4])),
+    ("non-decreasing", ValueError, lambda: range_attention(Q, K, V, START, torch.tensor([3, 2, 2, 2, 2]))),
+    ("key ranges", ValueError, lambda: range_attention(Q, K, V, START, COUNT + 7)),
     ("kv.dtype", ValueError, lambda: sparse_attention(Q, KV.double(), IDX, d_v=4)),
     ("d_v", TypeError, lambda: sparse_attention(Q, KV, IDX, d_v=4.0)),  # type: ignore[arg-type]
     ("indices", TypeError, lambda: sparse_attention(Q, KV, IDX.float(), d_v=4)),

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
 import torch
 
-from cpkv.backends import BACKEND_NAMES, ReferenceBackend, get_backend, resolve_backend_name
+from cpkv.backends import BACKEND_NAMES, ReferenceBackend, get_backend, resolve_backend_name, reference
+from cpkv.backends.base import AttentionBackend
 from cpkv.backends.cuda import CUDABackend
+
+PRIMITIVES = ("varlen_attention", "range_attention", "sparse_attention", "selected_probs", "indexer_topk")
 
 
 def test_names() -> None:
     assert BACKEND_NAMES == ("reference", "cuda", "npu", "auto")
     assert isinstance(get_backend("reference"), ReferenceBackend)
     assert isinstance(get_backend("cuda"), CUDABackend)  # creating it needs no GPU; calls on CPU tensors fall back
+    assert ReferenceBackend is reference.ReferenceBackend  # the reference package's backend
+
+
+@pytest.mark.parametrize("name", ["reference", "cuda"])
+def test_created_backends_implement_every_primitive(name: str) -> None:
+    backend = get_backend(name)
+    for primitive in PRIMITIVES:
+        want = [(p.name, p.kind) for p in inspect.signature(getattr(AttentionBackend, primitive)).parameters.values()][1:]
+        got = [(p.name, p.kind) for p in inspect.signature(getattr(backend, primitive)).parameters.values()]
+        assert got == want, f"{name}.{primitive}"
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,15 @@ from typing import Any
 import pytest
 import torch
 
-from cpkv.attention_plan import plan_attention
 from cpkv.bench.__main__ import main
 from cpkv.bench.planning import loop_plan, planning_times, random_documents, tensor_loop_plan
 from cpkv.bench.traffic import Dims, layer_traffic
+from cpkv.bench.walltime import largest_round_rows
 from cpkv.commstats import count_bytes
 from cpkv.launch import spawn
-from cpkv.layout import seqlens_to_cu_seqlens
-from cpkv.sharding import shard_contiguous
+from cpkv.plan.attention import plan_attention
+from cpkv.plan.conventions import seqlens_to_cu_seqlens
+from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
 LENGTHS = [5, 0, 70, 3, 2, 60, 21, 0, 1, 30]  # 192 tokens
@@ -26,11 +27,12 @@ def _real_bytes(rank: int, world: int) -> dict[str, int]:
     counts = {}
     for ratio in (0, 8, 4):
         layer = V4Attention(V4Config(compress_ratio=ratio, window=16), seed=0)
-        plan = plan_attention(cu, world, rank, compress_ratios=[ratio] if ratio > 1 else [], need_windows=[16])
         for exchange in ("allgather", "need"):
+            ratios = [ratio] if ratio > 1 else []
+            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=ratios, windows=[16])
             x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
             with count_bytes() as counter:
-                out = layer(x_local, cu, None, plan=plan, exchange=exchange).out
+                out = layer(x_local, plan, None).out
                 torch.autograd.backward(out, torch.ones_like(out))
             counts[f"{ratio}/{exchange}"] = counter.total
     return counts
@@ -63,3 +65,13 @@ def test_smoke_run_writes_report_and_plot(tmp_path: Path, capsys: Any) -> None:
     text = out.read_text()
     assert "## Bytes received per rank per layer" in text and "## Planning time" in text and "## Wall time" in text
     assert "| one document | 3 | INDEXER (ratio 4) |" in text
+
+
+def test_ring_rounds_split_the_halo() -> None:
+    cu = seqlens_to_cu_seqlens([300, 5, 700, 19], dtype=torch.int64)  # 1024 tokens
+    for rank in range(4):
+        halo = largest_round_rows(plan_attention(cu, 4, rank, exchange="need", windows=[None]), None)
+        for ring in (2, 4):
+            plan = plan_attention(cu, 4, rank, exchange="need", ring_degree=ring, windows=[None])
+            rounds = [r.routes.num_recv for r in plan.kv_source(None).rounds]
+            assert sum(rounds) == halo and largest_round_rows(plan, None) == max(rounds) <= -(-halo // ring)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cpkv.attention_plan import plan_segments
-from cpkv.layout import seqlens_to_cu_seqlens
+from cpkv.plan.segments import plan_segments
+from cpkv.plan.conventions import seqlens_to_cu_seqlens
 from cpkv.v4 import Compressor, apply_rope
 
 
@@ -51,11 +51,12 @@ def test_compressor_matches_loop(ratio: int) -> None:
     comp = Compressor(16, 8, ratio, rope_dim=4, rope_base=100.0).double()
     x = torch.randn(sum(lengths), 16, dtype=torch.float64)
     cu = seqlens_to_cu_seqlens(lengths)
-    plan = plan_segments(cu, cu, compress_ratios=[ratio]).compressed[0]
+    segments = plan_segments(cu, cu, compress_ratios=[ratio])
+    plan = segments.compressed[0]
     got = comp(x, plan)
     expected = loop_compressor(comp, x, lengths)
     assert got is not None and expected is not None
-    assert plan.cu_seqlens.tolist() == seqlens_to_cu_seqlens([n // ratio for n in lengths]).tolist()
+    assert segments.visible[0].cu_seqlens.tolist() == seqlens_to_cu_seqlens([n // ratio for n in lengths]).tolist()
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpkv.layout import (
+from cpkv.plan.conventions import (
     actual_seq_len_to_cu_seqlens,
     compress_cu_seqlens,
     cu_seqlens_to_actual_seq_len,

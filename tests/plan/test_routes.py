@@ -1,27 +1,39 @@
-"""Need-based routes against brute force, simulated for every rank in one process."""
+"""Need-exchange routes of the attention plan against brute force, simulated for every rank in one process."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpkv.exchange import NeedPlan, plan_need_exchange
-from cpkv.layout import compress_cu_seqlens, seqlens_to_cu_seqlens
-from cpkv.plan import compute_prefix_kv_cu_seqlens
+from cpkv.plan import AttentionPlan, Routes, plan_attention
+from cpkv.plan.conventions import compress_cu_seqlens, seqlens_to_cu_seqlens
+from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens
 
 
-def simulate(plans: list[NeedPlan], routes_of: str, key: object, owned_rows: list[torch.Tensor]) -> list[torch.Tensor]:
+def _routes(plan: AttentionPlan, routes_of: str, key: object) -> Routes:
+    if routes_of == "kv":
+        halo = plan.kv[key].halo  # type: ignore[index]
+        assert halo is not None
+        return halo
+    routes: Routes = getattr(plan.compressed[key], routes_of)  # type: ignore[index]
+    return routes
+
+
+def simulate(plans: list[AttentionPlan], routes_of: str, key: object, owned_rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """What every rank receives, moving owned_rows[src][send_rows] to each destination."""
     cp = len(plans)
     received: list[list[torch.Tensor]] = [[] for _ in range(cp)]
     for src, plan in enumerate(plans):
-        routes = getattr(plan, routes_of)[key] if routes_of == "kv" else plan.compressed[key].__getattribute__(routes_of)
+        routes = _routes(plan, routes_of, key)
         chunks = owned_rows[src][routes.send_rows].split(list(routes.send_splits))
         for dst, chunk in enumerate(chunks):
             received[dst].append(chunk)
     for dst, plan in enumerate(plans):
-        routes = plan.kv[key] if routes_of == "kv" else getattr(plan.compressed[key], routes_of)
-        assert [c.shape[0] for c in received[dst]] == list(routes.recv_splits)
+        assert [c.shape[0] for c in received[dst]] == list(_routes(plan, routes_of, key).recv_splits)
     return [torch.cat(r) for r in received]
+
+
+def plan_need_exchange(cu: torch.Tensor, cp: int, rank: int, *, windows: list[int | None], compress_ratios: list[int]) -> AttentionPlan:
+    return plan_attention(cu, cp, rank, exchange="need", windows=windows, compress_ratios=compress_ratios)
 
 
 @settings(max_examples=60, deadline=None)
@@ -45,10 +57,10 @@ def test_routes_deliver_exactly_what_is_needed(lengths: list[int], cp: int, wind
         prefix = compute_prefix_kv_cu_seqlens(cu, r * local, local)
         lo = prefix.kv_start if window is None else max(prefix.kv_start, r * local - window + 1)
         assert got_tokens[r].tolist() == list(range(lo, r * local))
-        assert plan.kv_offset[window] == lo - prefix.kv_start
+        assert plan.kv[window].offset == lo - prefix.kv_start
         # Owned entries: blocks whose last token lies in this rank's range, computable from the local buffer.
         owned = plan.compressed[ratio].owned
-        hidden_lo = plan.compressed[ratio].hidden_lo
+        hidden_lo = r * local - plan.compressed[ratio].hidden.num_recv  # the halo ends at a_r
         block_first = owned.block_starts + hidden_lo
         ends = block_first + ratio - 1
         assert bool(((ends >= r * local) & (ends < (r + 1) * local)).all())
@@ -75,7 +87,7 @@ def test_routes_deliver_exactly_what_is_needed(lengths: list[int], cp: int, wind
 def test_single_long_document_window_halo_is_small() -> None:
     cu = torch.tensor([0, 4096])
     plan = plan_need_exchange(cu, 4, 3, windows=[128, None], compress_ratios=[4, 128])
-    assert plan.kv[128].num_recv == 127 and plan.kv[None].num_recv == 3 * 1024
+    assert plan.kv[128].halo.num_recv == 127 and plan.kv[None].halo.num_recv == 3 * 1024  # type: ignore[union-attr]
     assert plan.compressed[4].hidden.num_recv == 4  # the overlap's previous block: 2m - 1 at most
     assert plan.compressed[4].entries.num_recv == 3 * 1024 // 4
     assert plan.compressed[128].entries.num_recv == 3 * 1024 // 128

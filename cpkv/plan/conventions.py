@@ -1,6 +1,6 @@
 """Sequence-length conventions of packed (TND) batches and their converters.
 
-Two conventions describe the same document boundaries (SEMANTICS section 1):
+Two conventions describe the same document boundaries (docs/semantics.md):
 
 * ``cu_seqlens``: cumulative document ends **with** a leading 0, an integer
   tensor ``[B + 1]`` (flash-attention, PyTorch ``varlen_attn``, this library).
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from cpkv._checks import check_int, check_int_dtype, check_ndim, check_tensor
+from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
 
 
 def validate_cu_seqlens(
@@ -151,7 +151,7 @@ def seqlens_to_cu_seqlens(
 
 
 class CompressedSeqlens(NamedTuple):
-    """Compressed-sequence lengths of a packed batch (SEMANTICS section 5).
+    """Compressed-sequence lengths of a packed batch (docs/semantics.md).
 
     Attributes:
         cu_seqlens: ``[B + 1]`` leading-zero cumulative counts of compressed entries,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cpkv.sharding import (
+from cpkv.plan.sharding import (
     contiguous_shard_range,
     permute_cp_shard,
     shard_contiguous,
@@ -65,7 +65,7 @@ def test_contiguous_round_trip(cp: int) -> None:
 
 
 def test_zigzag_tnd_literal_and_round_trip() -> None:
-    from cpkv.sharding import shard_zigzag_tnd, unshard_zigzag_tnd, zigzag_tnd_index
+    from cpkv.plan.sharding import shard_zigzag_tnd, unshard_zigzag_tnd, zigzag_tnd_index
 
     cu = torch.tensor([0, 8, 8, 12])  # documents of 8, 0 and 4 tokens, cp 2: chunks of 2 and 1
     assert zigzag_tnd_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
@@ -80,14 +80,14 @@ def test_zigzag_tnd_literal_and_round_trip() -> None:
 
 
 def test_zigzag_tnd_error_names_the_document() -> None:
-    from cpkv.sharding import zigzag_tnd_index
+    from cpkv.plan.sharding import zigzag_tnd_index
 
     with pytest.raises(ValueError, match=r"document 1 .* has length 6"):
         zigzag_tnd_index(torch.tensor([0, 8, 14, 22]), 2, 0)
 
 
 def test_pad_documents_keeps_tokens_and_reports_padding() -> None:
-    from cpkv.layout import pad_documents
+    from cpkv.plan.conventions import pad_documents
 
     x = torch.arange(1.0, 11.0)[:, None]
     padded = pad_documents(x, torch.tensor([0, 5, 5, 10]), 4)

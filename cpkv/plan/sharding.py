@@ -1,4 +1,4 @@
-"""How tokens are split over CP ranks, and back (SEMANTICS section 2).
+"""How tokens are split over CP ranks, and back (docs/semantics.md).
 
 Three schemes live here:
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from cpkv._checks import check_dim, check_int, check_rank, check_tensor
+from cpkv.checks import check_dim, check_int, check_rank, check_tensor
 
 
 def zigzag_gather_index(cp_size: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The prefix-KV plan of contiguous TND sharding (SEMANTICS section 3).
+"""The prefix-KV plan of contiguous TND sharding (docs/semantics.md).
 
 A rank's queries cover packed tokens ``[a, b)``. Every non-empty document
 ``[s, e)`` overlapping ``[a, b)`` contributes one query segment
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cpkv._checks import check_dim, check_int, check_tensor
-from cpkv.layout import validate_cu_seqlens
-from cpkv.sharding import contiguous_shard_range
+from cpkv.checks import check_dim, check_int, check_tensor
+from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.plan.sharding import contiguous_shard_range
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +88,7 @@ def compute_prefix_kv_cu_seqlens(cu_seqlens: Tensor, rank_offset: int, local_len
         ValueError: invalid ``cu_seqlens``, negative ``rank_offset`` / ``local_len``, or a
             local range past the last token.
 
-    Example (SEMANTICS section 3, rank 1 of 2):
+    Example (the worked example of docs/semantics.md, rank 1 of 2):
         >>> plan = compute_prefix_kv_cu_seqlens(torch.tensor([0, 5, 12, 16]), 8, 8)
         >>> plan.cu_seqlens_q.tolist(), plan.cu_seqlens_kv.tolist(), (plan.kv_start, plan.kv_end)
         ([0, 4, 8], [0, 7, 11], (5, 16))

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpkv.layout import seqlens_to_cu_seqlens
-from cpkv.plan import PrefixKVPlan, compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
+from cpkv.plan.conventions import seqlens_to_cu_seqlens
+from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens, rearrange_prefix_kv, slice_tnd_kv_prefix
 
 
 def oracle_pairs(lengths: list[int], start: int, stop: int) -> set[tuple[int, int]]:

@@ -1,0 +1,213 @@
+"""The collectives as ``torch.library`` custom ops: traceable, differentiable, ordered.
+
+Three ops move tokens between the ranks of a process group: ``cpkv::all_gather``
+(backward: ``cpkv::reduce_scatter`` of the gradient, its adjoint) and ``cpkv::exchange``
+(one ``all_to_all_single`` of selected rows along planned routes; backward: the gradient
+goes back along the same routes and is summed into the sent rows). Each takes and returns
+a 0-d *order token* (see :class:`BackwardOrder`). They are custom ops so that
+``torch.compile`` treats them as opaque calls (no graph break); the group travels by name.
+
+The ops call the ``torch.distributed`` functions at run time (``all_gather_single`` /
+``reduce_scatter_single`` where this torch has them, else the ``*_into_tensor`` /
+``*_tensor`` names), so :func:`cpkv.commstats.count_bytes` sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+Group = ProcessGroup | None
+"""A process group; ``None`` means the default (world) group."""
+
+
+def group_name(group: Group) -> str:
+    """The registered name of ``group`` (``None``: the default group)."""
+    resolved = group if group is not None else dist.group.WORLD
+    if resolved is None:
+        raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+    return resolved.group_name
+
+
+def _group(name: str) -> ProcessGroup:
+    """The process group registered under ``name`` (how torch's functional collectives resolve theirs)."""
+    from torch.distributed import distributed_c10d
+
+    group: ProcessGroup = distributed_c10d._resolve_process_group(name)  # type: ignore[attr-defined, arg-type]
+    return group
+
+
+def _gather_into(output: Tensor, tensor: Tensor, group: ProcessGroup) -> None:
+    gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def _scatter_into(output: Tensor, tensor: Tensor, group: ProcessGroup) -> None:
+    scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+# ------------------------------------------------------------------ all-gather / reduce-scatter
+
+
+@torch.library.custom_op("cpkv::all_gather", mutates_args=())
+def _all_gather(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]:
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    _gather_into(out, x.contiguous(), _group(group))
+    return out, token.new_zeros(())
+
+
+@_all_gather.register_fake
+def _(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]:
+    return x.new_empty((world * x.shape[0], *x.shape[1:])), token.new_empty(())
+
+
+@torch.library.custom_op("cpkv::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: Tensor, group: str, world: int) -> Tensor:
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    _scatter_into(out, x.contiguous(), _group(group))
+    return out
+
+
+@_reduce_scatter.register_fake
+def _(x: Tensor, group: str, world: int) -> Tensor:
+    return x.new_empty((x.shape[0] // world, *x.shape[1:]))
+
+
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.group, ctx.world = inputs[2], inputs[3]
+
+
+def _gather_backward(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    return _reduce_scatter(grad, ctx.group, ctx.world), grad_token, None, None
+
+
+_all_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# ------------------------------------------------------------------ routed all-to-all
+
+
+@torch.library.custom_op("cpkv::exchange", mutates_args=())
+def _exchange(
+    x: Tensor, token: Tensor, send_rows: Tensor, send_splits: list[int], recv_splits: list[int], group: str
+) -> tuple[Tensor, Tensor]:
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    send = x.index_select(0, send_rows).contiguous()
+    dist.all_to_all_single(out, send, list(recv_splits), list(send_splits), group=_group(group))
+    return out, token.new_zeros(())
+
+
+@_exchange.register_fake
+def _(
+    x: Tensor, token: Tensor, send_rows: Tensor, send_splits: list[int], recv_splits: list[int], group: str
+) -> tuple[Tensor, Tensor]:
+    return x.new_empty((sum(recv_splits), *x.shape[1:])), token.new_empty(())
+
+
+@torch.library.custom_op("cpkv::exchange_backward", mutates_args=())
+def _exchange_backward(
+    grad: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int], group: str
+) -> Tensor:
+    back = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+    dist.all_to_all_single(back, grad.contiguous(), list(send_splits), list(recv_splits), group=_group(group))
+    return grad.new_zeros((num_rows, *grad.shape[1:])).index_add_(0, send_rows, back)
+
+
+@_exchange_backward.register_fake
+def _(
+    grad: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int], group: str
+) -> Tensor:
+    return grad.new_empty((num_rows, *grad.shape[1:]))
+
+
+def _exchange_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, _token, send_rows, ctx.send_splits, ctx.recv_splits, ctx.group = inputs
+    ctx.num_rows = x.shape[0]
+    ctx.save_for_backward(send_rows)
+
+
+def _exchange_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor | None, ...]:
+    (send_rows,) = ctx.saved_tensors
+    grad_x = _exchange_backward(grad, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group)
+    return grad_x, grad_token, None, None, None, None
+
+
+_exchange.register_autograd(_exchange_grad, setup_context=_exchange_setup)
+
+
+# ------------------------------------------------------------------ public wrappers
+
+
+class BackwardOrder:
+    """Makes the backward collectives of one computation run in one order on every rank.
+
+    A differentiable collective issues its backward collective when autograd reaches it,
+    and autograd's order depends on the graph, which can differ between ranks (one rank's
+    compressor returns ``None``, another's does not). Ranks would then issue different
+    collectives and hang or exchange garbage. Threading a 0-d token through every
+    collective of the computation makes collective ``k-1``'s backward wait for collective
+    ``k``'s, and :meth:`attach` ties the last token to the output, so every rank runs every
+    backward collective, in the reverse of the forward order. One instance per layer call.
+
+    Args:
+        *anchors: the computation's differentiable inputs (e.g. ``q`` and ``kv``): the token
+            is derived from them (value 0), so it requires grad exactly when they do, and
+            creating it adds no graph break under ``torch.compile``.
+    """
+
+    def __init__(self, *anchors: Tensor) -> None:
+        if not anchors:
+            raise ValueError("BackwardOrder needs at least one anchor tensor (e.g. the layer's q)")
+        token = anchors[0].new_zeros((), dtype=torch.float32)
+        for anchor in anchors:
+            if anchor.requires_grad:
+                token = token + anchor.flatten()[:0].sum().float()
+        self.token = token
+
+    def attach(self, out: Tensor) -> Tensor:
+        """``out`` unchanged in value; its backward first runs the chain of collectives."""
+        if not self.token.requires_grad:
+            return out
+        return out + self.token.to(out.dtype)
+
+
+def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> Tensor:
+    """Differentiable all-gather along dim 0, ``[n, ...] -> [world * n, ...]`` rank-major.
+
+    Backward: reduce-scatter (sum) of the gradient. With ``order``, the call joins its
+    :class:`BackwardOrder` chain. No checks here (callers validate first).
+    """
+    token = order.token if order is not None else x.new_zeros((), dtype=torch.float32)
+    out, token = _all_gather(x, token, group_name(group), dist.get_world_size(group))
+    if order is not None:
+        order.token = token
+    gathered: Tensor = out
+    return gathered
+
+
+def reduce_scatter(x: Tensor, group: Group) -> Tensor:
+    """Non-differentiable reduce-scatter (sum) along dim 0, ``[world * n, ...] -> [n, ...]``."""
+    result: Tensor = _reduce_scatter(x, group_name(group), dist.get_world_size(group))
+    return result
+
+
+def exchange(
+    x: Tensor, send_rows: Tensor, send_splits: tuple[int, ...], recv_splits: tuple[int, ...], group: Group,
+    order: BackwardOrder | None = None,
+) -> Tensor:
+    """Differentiable routed all-to-all: send ``x[send_rows]`` split by ``send_splits``.
+
+    Returns ``[sum(recv_splits), ...]`` received rows in source-rank order. Backward: the
+    gradient goes back along the same routes and is summed into ``x``'s sent rows.
+    """
+    token = order.token if order is not None else x.new_zeros((), dtype=torch.float32)
+    out, token = _exchange(x, token, send_rows, list(send_splits), list(recv_splits), group_name(group))
+    if order is not None:
+        order.token = token
+    received: Tensor = out
+    return received

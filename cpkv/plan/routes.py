@@ -1,0 +1,155 @@
+"""Routes of the need-based exchange (contiguous TND): which rows move between which ranks.
+
+With contiguous sharding rank ``r`` holds packed tokens ``[a_r, b_r)``. Only its first
+document can start on an earlier rank, so everything ``r`` needs from the others is one
+contiguous range just before ``a_r`` (docs/semantics.md, "Exchanges"):
+
+* dense causal layers: the kv of ``[kv_start, a_r)`` (the first document's earlier part);
+* window layers: only the halo ``[max(kv_start, a_r - W + 1), a_r)``;
+* compressed layers: the halo of *compressor inputs* that the rank's own blocks read, and
+  the compressed entries of the first document owned by earlier ranks. An entry is owned,
+  i.e. computed exactly once, by the rank holding the last token of its block.
+
+Every rank derives every route from the global ``cu_seqlens`` without communication.
+:mod:`cpkv.exchange` moves the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cpkv.plan.conventions import compress_cu_seqlens
+from cpkv.plan.segments import CompressedPlan
+
+
+@dataclass(frozen=True, eq=False)
+class Routes:
+    """Which local rows go to which rank, and how many rows come from which rank.
+
+    Attributes:
+        send_rows: ``[n_send]`` int64 local rows to send, grouped by destination rank.
+        send_splits: rows sent to each rank (``cp`` entries).
+        recv_splits: rows received from each rank (``cp`` entries); received rows are
+            concatenated in source-rank order, which is natural packed order.
+        any_traffic: whether any rank sends anything (identical on every rank).
+    """
+
+    send_rows: Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    any_traffic: bool
+
+    @property
+    def num_recv(self) -> int:
+        """Rows this rank receives."""
+        return sum(self.recv_splits)
+
+    @property
+    def num_send(self) -> int:
+        """Rows this rank sends."""
+        return sum(self.send_splits)
+
+
+def plan_routes(needed: Tensor, owned: Tensor, rank: int, *, device: torch.device | None = None) -> Routes:
+    """Routes from every rank's needed range and every rank's owned range of one index space.
+
+    Args:
+        needed: ``[cp, 2]`` int64 ``[lo, hi)`` each rank needs from the others.
+        owned: ``[cp, 2]`` int64 ``[lo, hi)`` each rank holds (ascending, disjoint).
+        rank: this rank.
+        device: where ``send_rows`` lives (the data's device).
+
+    Returns:
+        :class:`Routes`; local rows are relative to ``owned[rank, 0]``.
+    """
+    lo = torch.maximum(needed[:, None, 0], owned[None, :, 0])  # [dst, src]
+    hi = torch.minimum(needed[:, None, 1], owned[None, :, 1])
+    counts = (hi - lo).clamp(min=0)
+    send = counts[:, rank]
+    rows = [torch.arange(int(lo[d, rank]), int(lo[d, rank]) + int(send[d])) for d in range(counts.shape[0])]
+    send_rows = (torch.cat(rows) - int(owned[rank, 0])) if rows else torch.zeros(0, dtype=torch.int64)
+    return Routes(
+        send_rows=send_rows.to(device) if device is not None else send_rows,
+        send_splits=tuple(int(v) for v in send.tolist()),
+        recv_splits=tuple(int(v) for v in counts[rank].tolist()),
+        any_traffic=bool(counts.sum() > 0),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedRoutes:
+    """Need-based plan of one compress ratio for one rank.
+
+    Attributes:
+        hidden: routes of the compressor-input halo (tokens before ``a_r`` that the rank's
+            own blocks read); the compressor's input buffer is ``[halo ; own tokens]``.
+        owned: the blocks this rank computes, over that buffer (:class:`CompressedPlan`).
+        entries: routes of compressed entries (global entry ids) to the ranks that see them;
+            the entry buffer is ``[received ; owned]``, the prefix's entries in order.
+    """
+
+    hidden: Routes
+    owned: CompressedPlan
+    entries: Routes
+
+
+def rank_bounds(local_len: int, cp_size: int) -> Tensor:
+    """``[cp, 2]`` int64 token range ``[a_r, b_r)`` of every rank (contiguous TND)."""
+    bounds = torch.arange(cp_size + 1, dtype=torch.int64) * local_len
+    return torch.stack([bounds[:-1], bounds[1:]], 1)
+
+
+def first_document_start(cu: Tensor, owned: Tensor) -> Tensor:
+    """``[cp]`` first token of the first document overlapping each rank (``a_r`` if it starts there)."""
+    first_doc = torch.searchsorted(cu[1:], owned[:, 0].contiguous(), right=True).clamp(max=max(cu.numel() - 2, 0))
+    return torch.minimum(cu[first_doc], owned[:, 0]) if cu.numel() > 1 else owned[:, 0].clone()
+
+
+def kv_routes(cu: Tensor, owned: Tensor, rank: int, window: int | None, device: torch.device) -> tuple[Routes, Tensor]:
+    """Routes of the kv rows before ``a_r`` a layer with ``window`` needs, and every rank's needed start."""
+    lo = first_document_start(cu, owned)
+    if window is not None:
+        lo = torch.maximum(lo, owned[:, 0] - window + 1)
+    return plan_routes(torch.stack([lo, owned[:, 0]], 1), owned, rank, device=device), lo
+
+
+def _entries_before(cu: Tensor, bounds: Tensor, ratio: int) -> Tensor:
+    """Per bound ``x``: number of compressed entries (all documents) whose block ends before ``x``."""
+    starts, ends = cu[:-1], cu[1:]
+    span = (torch.minimum(ends[None, :], bounds[:, None]) - starts[None, :]).clamp(min=0)
+    return torch.div(span, ratio, rounding_mode="floor").sum(1)
+
+
+def _halo_start(cu: Tensor, owned: Tensor, ratio: int) -> Tensor:
+    """``[cp]`` first compressor-input token each rank's own blocks read (with the ratio-4 overlap's previous block)."""
+    a, b = owned[:, 0], owned[:, 1]
+    doc = torch.searchsorted(cu[1:], a.contiguous(), right=True).clamp(max=cu.numel() - 2)
+    start, end = cu[doc], cu[doc + 1]
+    j0 = torch.div((a - start).clamp(min=0), ratio, rounding_mode="floor")  # first block ending at or after a
+    block_done = start + (j0 + 1) * ratio <= torch.minimum(end, b)
+    prev = (j0 > 0).long() if ratio == 4 else torch.zeros_like(j0)
+    lo = torch.minimum(a, start + (j0 - prev) * ratio)
+    return torch.where((start < a) & block_done, lo, a)
+
+
+def compressed_routes(cu: Tensor, owned: Tensor, rank: int, ratio: int, device: torch.device) -> CompressedRoutes:
+    """The compressor-input halo, owned blocks and entry routes of ``rank`` at ``ratio``."""
+    owned_ids = _entries_before(cu, torch.cat([owned[:, 0], owned[-1:, 1]]), ratio)
+    entry_owned = torch.stack([owned_ids[:-1], owned_ids[1:]], 1)
+    cu_cmp = compress_cu_seqlens(cu, ratio).cu_seqlens.long()
+    first_doc = torch.searchsorted(cu[1:], owned[:, 0].contiguous(), right=True).clamp(max=cu.numel() - 2)
+    needed = torch.stack([torch.minimum(cu_cmp[first_doc], entry_owned[:, 0]), entry_owned[:, 0]], 1)
+    entries = plan_routes(needed, entry_owned, rank, device=device)
+    ids = torch.arange(int(entry_owned[rank, 0]), int(entry_owned[rank, 1]))
+    doc = torch.searchsorted(cu_cmp[1:], ids, right=True)
+    j = ids - cu_cmp[doc]
+    halo = _halo_start(cu, owned, ratio)
+    hidden = plan_routes(torch.stack([halo, owned[:, 0]], 1), owned, rank, device=device)
+    blocks = CompressedPlan(
+        ratio=ratio, block_starts=(cu[:-1][doc] + j * ratio - int(halo[rank])).to(device),
+        entry_positions=(j * ratio).to(device), num_entries=int(ids.numel()),
+    )
+    return CompressedRoutes(hidden=hidden, owned=blocks, entries=entries)
