@@ -20,10 +20,16 @@ repository root is put on ``sys.path``; no network). One GPU, about 5 minutes at
    LSE's gradient, see cpkv/backends/cuda.py). TFLOP/s count only visible (causal/window)
    pairs: forward ``4 * D * H * pairs``, backward 2.5x that.
 
+3. DeepSeek-V4-Flash (benchmarks/v4_flash_section.py): cpkv's Triton sparse kernels at
+   H=64, D=512, d_v=512, K=640 (128 window + 512 selected), sinks, bf16, 8K and 32K
+   queries: correctness against the reference ops (same 2x rule), deterministic dkv
+   bitwise, forward/backward ms and TFLOP/s over the gathered rows, speed-up over the
+   reference ops, the indexer top-k time. ``--v4-flash-only`` runs just this section.
+
 Prints markdown tables; writes them to ``$OUT/gpu_check.md`` when ``OUT`` is set. Exits 1 on
 a correctness failure, 2 without a GPU.
 
-    python benchmarks/gpu_check.py [--quick] [--max-seconds 270]
+    python benchmarks/gpu_check.py [--quick] [--max-seconds 270] [--v4-flash-only]
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from cpkv.backends import ReferenceBackend  # noqa: E402
 from cpkv.backends.cuda import CUDABackend  # noqa: E402
 from cpkv.v4 import V4Config  # noqa: E402
 from device_common import compare, run_layer, visible_pairs  # noqa: E402
+import v4_flash_section  # noqa: E402
 
 CASES = {
     "window": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=64),
@@ -149,6 +156,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="two smallest benchmark shapes, 2 repetitions")
     parser.add_argument("--max-seconds", type=float, default=270.0, help="skip the remaining benchmark shapes after this")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
+    parser.add_argument("--v4-flash-only", action="store_true", help="only the DeepSeek-V4-Flash Triton section")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
@@ -159,27 +167,43 @@ def main() -> int:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)  # type: ignore[attr-defined]
         dist.init_process_group("nccl", store=store, rank=0, world_size=1)
         try:
-            rows, ok = check_correctness(device)
-            print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
-            bench = ["| L | prefix | H | W | bare fwd ms | cpkv/bare fwd | +sinks/bare fwd | TFLOP/s bare/cpkv fwd "
-                     "| bare fwd+bwd ms | cpkv/bare fwd+bwd | +sinks/bare fwd+bwd | TFLOP/s bare/cpkv fwd+bwd |",
-                     "|---" * 12 + "|"]
-            for local, rank, heads, window in BENCH[:2] if args.quick else BENCH:
-                if time.monotonic() - started > args.max_seconds:
-                    bench.append(f"| {local // 1024}K | skipped (time budget) |||||||||||")
-                    continue
-                bench.append(bench_one(local, rank, heads, window, 2 if args.quick else args.reps, device))
-                print(bench[-1], flush=True)
+            rows, ok, bench = [], True, []
+            if not args.v4_flash_only:
+                rows, ok, bench = run_varlen_sections(args, started, device)
+            flash_rows, flash_ok = v4_flash_section.check(device)
+            print(f"V4-Flash correctness: {'PASS' if flash_ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
+            for num_q in (8192, 32768):
+                flash_rows += v4_flash_section.bench(num_q, device, 2 if args.quick else args.reps, with_reference=True)
+                print("\n".join(flash_rows[-5:]), flush=True)
+            ok &= flash_ok
         finally:
             dist.destroy_process_group()
     header = (f"# cpkv gpu_check\n\n{datetime.date.today()} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"{time.monotonic() - started:.0f} s\n")
     text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
-                      "\n## Varlen attention as attention_forward calls it vs bare varlen_attn (bf16, D=128, MQA)\n", *bench, ""])
+                      "\n## Varlen attention as attention_forward calls it vs bare varlen_attn (bf16, D=128, MQA)\n", *bench,
+                      "\n## DeepSeek-V4-Flash sparse attention (Triton; H=64, D=d_v=512, K=640, sinks, bf16)\n",
+                      *v4_flash_section.HEADER, *flash_rows, "", v4_flash_section.cudnn_note(), ""])
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.md").write_text(text)
     return 0 if ok else 1
+
+
+def run_varlen_sections(args: argparse.Namespace, started: float, device: torch.device) -> tuple[list[str], bool, list[str]]:
+    """Sections 1 and 2: the layer's correctness through CUDABackend, and varlen speed against a bare kernel."""
+    rows, ok = check_correctness(device)
+    print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
+    bench = ["| L | prefix | H | W | bare fwd ms | cpkv/bare fwd | +sinks/bare fwd | TFLOP/s bare/cpkv fwd "
+             "| bare fwd+bwd ms | cpkv/bare fwd+bwd | +sinks/bare fwd+bwd | TFLOP/s bare/cpkv fwd+bwd |",
+             "|---" * 12 + "|"]
+    for local, rank, heads, window in BENCH[:2] if args.quick else BENCH:
+        if time.monotonic() - started > args.max_seconds:
+            bench.append(f"| {local // 1024}K | skipped (time budget) |||||||||||")
+            continue
+        bench.append(bench_one(local, rank, heads, window, 2 if args.quick else args.reps, device))
+        print(bench[-1], flush=True)
+    return rows, ok, bench
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Everything per-batch (segments, routes, rounds, visibility) is plan data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -29,12 +30,14 @@ from cpkv.backends import get_backend
 from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName
 from cpkv.checks import check_int, check_ndim, check_tensor
 from cpkv.collectives import BackwardOrder, Group
-from cpkv.comm import gather_from_sp_cp
+from cpkv.comm import check_group, gather_from_sp_cp
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.exchange import exchange_rows
+from cpkv.index_keys import check_index_key_dtype, exchange_index_keys, round_index_keys
 from cpkv.indexer_loss import attach_indexer_loss
 from cpkv.merge import merge_partials
 from cpkv.plan.attention import AttentionPlan, KVSource
+from cpkv.plan.routes import CompressedRoutes
 from cpkv.plan.segments import CompressedPlan
 
 
@@ -49,6 +52,13 @@ class AttentionSpec:
             causal (``NO_COMPRESS`` only).
         scale: softmax scale; ``None`` means ``1/sqrt(D)``.
         topk: entries the indexer selects per query (INDEXER).
+        indexer_loss: INDEXER layers: attach the indexer's KL loss (its only gradient; see
+            docs/semantics.md). ``False`` leaves the indexer without gradient (as Hugging Face's
+            DeepSeek-V4 attention does).
+        index_key_dtype: INDEXER layers: the dtype the indexer keys are rounded to and travel in
+            (``None``: the compute dtype; ``torch.float32``, ``torch.bfloat16``, or
+            ``torch.float8_e4m3fn`` with one fp32 scale per key, as DeepSeek's indexer);
+            :mod:`cpkv.index_keys`.
     """
 
     d_v: int
@@ -56,6 +66,8 @@ class AttentionSpec:
     window: int | None = 128
     scale: float | None = None
     topk: int = 512
+    indexer_loss: bool = True
+    index_key_dtype: torch.dtype | None = None
 
     @property
     def mode(self) -> LayerCompressMode:
@@ -67,6 +79,11 @@ class AttentionSpec:
         check_int("spec.d_v", self.d_v, minimum=1)
         check_int("spec.topk", self.topk, minimum=1)
         check_int("spec.compress_ratio", self.compress_ratio, minimum=0)
+        check_index_key_dtype("spec.index_key_dtype", self.index_key_dtype)
+        if not isinstance(self.indexer_loss, bool):
+            raise TypeError(f"spec.indexer_loss must be a bool, got {type(self.indexer_loss).__name__}")
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))):
+            raise TypeError(f"spec.scale must be a float or None, got {type(self.scale).__name__}")
         if self.window is not None:
             check_int("spec.window", self.window, minimum=1)
         elif self.mode.compresses:
@@ -74,16 +91,42 @@ class AttentionSpec:
 
 
 class CompressorFn(Protocol):
-    """Maps compressor inputs ``[N_in, hidden]`` and a :class:`CompressedPlan` to entries ``[N_c, D]`` (or ``None``)."""
+    """Maps compressor inputs ``[N_in, input_dim]`` and a :class:`CompressedPlan` to entries ``[N_c, D]`` (or ``None``).
+
+    It declares what it reads, so that cpkv can plan the rows it needs and check every call on
+    every rank before any collective (docs/semantics.md, "Compression"): ``ratio`` (tokens per
+    block), ``prev_blocks`` (earlier blocks of the same document each entry also reads: 1 for
+    DeepSeek-V4's overlapping ratio-4 compressor, else 0) and ``input_dim`` (width of ``x``).
+    """
+
+    @property
+    def ratio(self) -> int: ...
+
+    @property
+    def prev_blocks(self) -> int: ...
+
+    @property
+    def input_dim(self) -> int: ...
 
     def __call__(self, x: Tensor, plan: CompressedPlan, /) -> Tensor | None: ...
 
 
 class IndexerFn(Protocol):
-    """The lightning indexer: queries from the local inputs, keys from a compressor input buffer."""
+    """The lightning indexer: queries from local features, keys from a compressor input buffer.
+
+    ``queries(features [T/cp, F], positions [T/cp]) -> (q_index [T/cp, H_I, D_I], weights [T/cp, H_I])``;
+    ``keys(x [N_in, input_dim], plan) -> [N_c, D_I] | None``. Declares ``ratio``,
+    ``prev_blocks`` and ``input_dim`` like :class:`CompressorFn`. Its inputs are detached by cpkv.
+    """
 
     @property
     def ratio(self) -> int: ...
+
+    @property
+    def prev_blocks(self) -> int: ...
+
+    @property
+    def input_dim(self) -> int: ...
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -121,50 +164,105 @@ def _prefix_rows(gathered: Tensor, plan: AttentionPlan) -> Tensor:
     return gathered.narrow(0, plan.prefix.kv_start, plan.prefix.kv_len)
 
 
-def _kv_buffer(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, order: BackwardOrder) -> Tensor:
+def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, order: BackwardOrder) -> list[Tensor]:
+    """The rank's kv buffer as parts to concatenate once (no copy when it is one part)."""
     if plan.exchange == "allgather":
-        return _prefix_rows(gather_from_sp_cp(kv, group, tnd=True, order=order), plan)
+        return [_prefix_rows(gather_from_sp_cp(kv, group, tnd=True, order=order), plan)]
     if source.halo is None:
-        return kv
-    return torch.cat([exchange_rows(kv, source.halo, group, order=order), kv])
+        return [kv]
+    halo = exchange_rows(kv, source.halo, group, order=order)
+    return [halo, kv] if source.halo.num_recv else [kv]
+
+
+def _concat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _compress_own(
+    routes: CompressedRoutes, hidden: Tensor, halo: Tensor, fn: Callable[[Tensor, CompressedPlan], Tensor | None]
+) -> list[Tensor]:
+    """``fn`` over the rank's straddling blocks (small buffer with the halo) and its other blocks (own rows, no copy)."""
+    parts = []
+    if routes.straddle.num_entries:
+        straddled = fn(torch.cat([halo, hidden[: routes.straddle_rows]]), routes.straddle)
+        parts += [straddled] if straddled is not None else []
+    if routes.own.num_entries:
+        own = fn(hidden, routes.own)
+        parts += [own] if own is not None else []
+    return parts
 
 
 def _entries(
     plan: AttentionPlan, spec: AttentionSpec, hidden: Tensor, compressor: CompressorFn, indexer: IndexerFn | None,
-    kv: Tensor, group: Group, order: BackwardOrder,
-) -> tuple[Tensor | None, IndexerTensors | None]:
-    """Compressed entries of the rank's prefix in plan order (and the indexer's tensors)."""
+    index_features: Tensor | None, kv: Tensor, group: Group, order: BackwardOrder,
+) -> tuple[list[Tensor], IndexerTensors | None]:
+    """Compressed entries of the rank's prefix in plan order, as parts (and the indexer's tensors)."""
     ratio = spec.compress_ratio
     wants_index = spec.mode is LayerCompressMode.INDEXER and indexer is not None
+    keys: Tensor | None = None
     if plan.exchange == "allgather":
         inputs = _prefix_rows(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan)
         blocks = plan.segments.compressed_for(ratio)
-        entries = compressor(inputs, blocks)
-        keys = indexer.keys(inputs.detach(), blocks) if wants_index and indexer is not None and entries is not None else None
+        computed = compressor(inputs, blocks)
+        parts = [computed.to(kv.dtype)] if computed is not None else []
+        if wants_index and indexer is not None and computed is not None:
+            raw = indexer.keys(inputs.detach(), blocks)
+            keys = round_index_keys(raw, spec.index_key_dtype) if raw is not None else None
     else:
         routes = plan.compressed[ratio]
-        inputs = torch.cat([exchange_rows(hidden, routes.hidden, group, order=order), hidden])
-        # Every rank sends the same dtype: entries in the kv dtype (what attention uses them in),
-        # indexer keys in the compressor's fp32 (fp64) compute dtype.
-        owned = compressor(inputs, routes.owned)
-        owned = owned.to(kv.dtype) if owned is not None else kv.new_zeros((0, kv.shape[-1]))
-        entries = torch.cat([exchange_rows(owned, routes.entries, group, order=order), owned])
-        keys = None
+        halo = exchange_rows(hidden, routes.hidden, group, order=order)
+        # Every rank sends the same dtype: entries in the kv dtype (what attention uses them in).
+        owned_parts = [e.to(kv.dtype) for e in _compress_own(routes, hidden, halo, compressor)]
+        owned = _concat(owned_parts) if owned_parts else kv.new_zeros((0, kv.shape[-1]))
+        received = exchange_rows(owned, routes.entries, group, order=order)
+        parts = [t for t in (received, owned) if t.shape[0]]
         if wants_index and indexer is not None:
+            key_parts = _compress_own(routes, hidden.detach(), halo.detach(), indexer.keys)
             key_dtype = torch.promote_types(hidden.dtype, torch.float32)
-            own_keys = indexer.keys(inputs.detach(), routes.owned)
-            own_keys = own_keys.to(key_dtype) if own_keys is not None else hidden.new_zeros((0, 0), dtype=key_dtype)
-            keys = torch.cat([exchange_rows(own_keys, routes.entries, group, order=order), own_keys])
-        entries = entries if entries.shape[0] else None
-    if entries is None or keys is None or indexer is None:
-        return entries, None
-    q_index, weights = indexer.queries(hidden.detach(), plan.q_positions)
-    return entries, IndexerTensors(q_index, weights, keys)
+            own_keys = _concat(key_parts).to(key_dtype) if key_parts else hidden.new_zeros((0, 0), dtype=key_dtype)
+            got = exchange_index_keys(own_keys, routes.entries, group, spec.index_key_dtype, order=order)
+            keys = torch.cat([got, round_index_keys(own_keys, spec.index_key_dtype)])
+    if not parts or keys is None or indexer is None:
+        return parts, None
+    features = index_features if index_features is not None else hidden
+    q_index, weights = indexer.queries(features.detach(), plan.q_positions)
+    return parts, IndexerTensors(q_index, weights, keys)
+
+
+def _check_module(name: str, module: CompressorFn | IndexerFn, spec: AttentionSpec, plan: AttentionPlan, hidden: Tensor) -> None:
+    """A compressor's or indexer's declarations against the spec, the plan and ``hidden``."""
+    for attribute in ("ratio", "prev_blocks", "input_dim"):
+        if not isinstance(getattr(module, attribute, None), int):
+            raise TypeError(f"{name} must declare an int {name}.{attribute} (see CompressorFn), got {getattr(module, attribute, None)!r}")
+    if module.ratio != spec.compress_ratio:
+        raise ValueError(f"{name}.ratio ({module.ratio}) must equal spec.compress_ratio ({spec.compress_ratio})")
+    planned = plan.prev_blocks[spec.compress_ratio]
+    if module.prev_blocks > planned:
+        raise ValueError(
+            f"{name}.prev_blocks={module.prev_blocks} but the plan covers {planned} earlier block(s) at ratio"
+            f" {spec.compress_ratio}: plan_attention(..., prev_blocks={{{spec.compress_ratio}: {module.prev_blocks}}})"
+        )
+    if hidden.shape[-1] != module.input_dim:
+        raise ValueError(f"hidden must be [T/cp, {name}.input_dim] = [{plan.local_len}, {module.input_dim}], got {tuple(hidden.shape)}")
+
+
+def _check_tensor_arg(name: str, x: object, form: str, ndim: int, rows: int, like: Tensor) -> Tensor:
+    """A floating tensor of ``ndim`` dims, ``rows`` rows, on ``like``'s device."""
+    tensor = check_tensor(name, x)
+    check_ndim(name, tensor, ndim, form)
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+    if tensor.shape[0] != rows:
+        raise ValueError(f"{name} must be {form} with {rows} rows (plan.local_len), got shape {tuple(tensor.shape)}")
+    if tensor.device != like.device:
+        raise ValueError(f"{name} must be on q's device {like.device}, got {tensor.device}")
+    return tensor
 
 
 def _check_inputs(
     q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, spec: AttentionSpec, sinks: Tensor | None,
-    hidden: Tensor | None, compressor: CompressorFn | None, indexer: IndexerFn | None, backend: AttentionBackend,
+    hidden: Tensor | None, compressor: CompressorFn | None, indexer: IndexerFn | None, index_features: Tensor | None,
+    backend: AttentionBackend, grad_scale: float,
 ) -> None:
     """Every check of a layer call: shapes and plan fields only (no host sync, identical on every rank)."""
     if not isinstance(plan, AttentionPlan):
@@ -172,8 +270,13 @@ def _check_inputs(
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     spec.validate()
+    check_group("group", group)
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)):
+        raise TypeError(f"grad_scale must be a float, got {type(grad_scale).__name__}")
     check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
     check_ndim("kv", check_tensor("kv", kv), 2, "[T/cp, D] (one shared kv head)")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     if (plan.cp_size, plan.cp_rank) != (cp_size, cp_rank):
         raise ValueError(f"plan was made for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}; the group has size {cp_size}, rank {cp_rank}")
@@ -185,8 +288,8 @@ def _check_inputs(
         raise TypeError(f"kv must have q's dtype and device ({q.dtype}, {q.device}), got {kv.dtype}, {kv.device}")
     if sinks is not None:
         check_ndim("sinks", check_tensor("sinks", sinks), 1, f"[H] = [{q.shape[1]}]")
-        if sinks.shape[0] != q.shape[1]:
-            raise ValueError(f"sinks must be [H] = [{q.shape[1]}], got {tuple(sinks.shape)}")
+        if sinks.shape[0] != q.shape[1] or not sinks.is_floating_point() or sinks.device != q.device:
+            raise ValueError(f"sinks must be a float [H] = [{q.shape[1]}] tensor on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
     plan.kv_source(spec.window)  # raises for a window the need plan lacks
     if plan.ring_degree > 1 and backend.name == "npu":
         raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; plan with 1")
@@ -199,20 +302,21 @@ def _check_inputs(
         )
     if compressor is None or hidden is None:
         raise ValueError(f"compressor and hidden are required for {spec.mode.name} layers (compress_ratio={spec.compress_ratio})")
-    check_ndim("hidden", check_tensor("hidden", hidden), 2, "[T/cp, hidden]")
-    if hidden.shape[0] != plan.local_len:
-        raise ValueError(f"hidden must hold this rank's {plan.local_len} tokens (plan.local_len), got {hidden.shape[0]}")
+    hidden = _check_tensor_arg("hidden", hidden, "[T/cp, hidden]", 2, plan.local_len, q)
+    _check_module("compressor", compressor, spec, plan, hidden)
     if spec.mode is LayerCompressMode.INDEXER:
         if indexer is None:
             raise ValueError(f"indexer is required for INDEXER layers (compress_ratio={spec.compress_ratio})")
-        if indexer.ratio != spec.compress_ratio:
-            raise ValueError(f"indexer.ratio ({indexer.ratio}) must equal spec.compress_ratio ({spec.compress_ratio})")
+        _check_module("indexer", indexer, spec, plan, hidden)
+        if index_features is not None:
+            _check_tensor_arg("index_features", index_features, "[T/cp, F]", 2, plan.local_len, q)
 
 
 def attention_forward(
     q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, *, spec: AttentionSpec,
     sinks: Tensor | None = None, hidden: Tensor | None = None, compressor: CompressorFn | None = None,
-    indexer: IndexerFn | None = None, backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
+    indexer: IndexerFn | None = None, index_features: Tensor | None = None,
+    backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
 ) -> AttentionOutput:
     """Prefix attention of this rank's shard, exactly as ``plan`` describes the micro-batch.
 
@@ -228,8 +332,10 @@ def attention_forward(
         spec: the layer's :class:`AttentionSpec`.
         sinks: ``[H]`` per-head sink logits, or ``None``.
         hidden: ``[T/cp, hidden]`` this rank's compressor / indexer inputs (compressed modes).
-        compressor, indexer: the layer's modules (compressed modes / INDEXER); see
-            docs/semantics.md for their protocols.
+        compressor, indexer: the layer's modules (compressed modes / INDEXER), declaring
+            ``ratio``, ``prev_blocks`` and ``input_dim`` (:class:`CompressorFn`, :class:`IndexerFn`).
+        index_features: ``[T/cp, F]`` the features the indexer's queries come from (for example
+            DeepSeek-V4's query low-rank residual); default ``hidden``. Detached by cpkv.
         backend: ``"reference"``, ``"cuda"``, ``"npu"``, ``"auto"`` (by ``q.device``) or an
             :class:`~cpkv.backends.base.AttentionBackend` instance (create it once per model so
             that fallback warnings appear once).
@@ -250,17 +356,20 @@ def attention_forward(
         >>> out = attention_forward(q, kv, plan, group, spec=AttentionSpec(d_v=448)).out  # doctest: +SKIP
     """
     ops = get_backend(backend, q.device if isinstance(q, Tensor) else None)
-    _check_inputs(q, kv, plan, group, spec, sinks, hidden, compressor, indexer, ops)
+    _check_inputs(q, kv, plan, group, spec, sinks, hidden, compressor, indexer, index_features, ops, grad_scale)
     order = BackwardOrder(q, kv)
     source = plan.kv_source(spec.window)
-    kv_buffer = _kv_buffer(kv, plan, source, group, order)
-    entries, index = None, None
+    kv_parts = _kv_parts(kv, plan, source, group, order)
+    entry_parts: list[Tensor] = []
+    index = None
     if spec.mode.compresses and compressor is not None and hidden is not None:
-        entries, index = _entries(plan, spec, hidden, compressor, indexer, kv, group, order)
+        entry_parts, index = _entries(plan, spec, hidden, compressor, indexer, index_features, kv, group, order)
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     local_sinks = sinks if not source.rounds else None
-    kv_all, selected = kv_buffer, None
-    if entries is None:  # NO_COMPRESS, or no entry on this rank: the effective ratio is 1
+    num_kv = sum(t.shape[0] for t in kv_parts)
+    selected = None
+    if not entry_parts:  # NO_COMPRESS, or no entry on this rank: the effective ratio is 1
+        kv_all = kv_buffer = _concat(kv_parts)
         local = ops.varlen_attention(
             q, kv_buffer[:, None], kv_buffer[:, None, : spec.d_v], source.segments,
             scale=scale, window=spec.window, sinks=local_sinks,
@@ -268,14 +377,14 @@ def attention_forward(
         ratio = 1
     else:
         assert spec.window is not None  # spec.validate: compressed layers have a window
-        kv_all = torch.cat([kv_buffer, entries.to(kv.dtype)])
+        kv_all = torch.cat([*kv_parts, *entry_parts])  # the one copy of the rank's kv in this layer
         visible = plan.segments.visible_for(spec.compress_ratio)
         if index is None:
-            cmp_rows = visible.visible_indices(offset=kv_buffer.shape[0])
+            cmp_rows = visible.visible_indices(offset=num_kv)
         else:
             with torch.no_grad():
                 picked = ops.indexer_topk(index.q_index, index.k_index, index.weights, plan.segments, visible, topk=spec.topk)
-            cmp_rows = torch.where(picked >= 0, picked + kv_buffer.shape[0], -1)
+            cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
         indices = torch.cat([plan.segments.window_indices(spec.window, offset=source.offset), cmp_rows], dim=1)
         local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
@@ -289,7 +398,7 @@ def attention_forward(
                 parts.append(ops.range_attention(q, rows[:, None], rows[:, None, : spec.d_v], ring_round.ranges, scale=scale))
         result = merge_partials(parts, sinks)
     loss = None
-    if selected is not None and index is not None:
+    if selected is not None and index is not None and spec.indexer_loss:
         with torch.no_grad():
             probs = ops.selected_probs(q.detach(), kv_all.detach(), cmp_rows, result.lse.detach(), scale=scale)
         attached = attach_indexer_loss(

@@ -33,7 +33,7 @@ def group_name(group: Group) -> str:
     return resolved.group_name
 
 
-def _group(name: str) -> ProcessGroup:
+def resolve_group(name: str) -> ProcessGroup:
     """The process group registered under ``name`` (how torch's functional collectives resolve theirs)."""
     from torch.distributed import distributed_c10d
 
@@ -57,7 +57,7 @@ def _scatter_into(output: Tensor, tensor: Tensor, group: ProcessGroup) -> None:
 @torch.library.custom_op("cpkv::all_gather", mutates_args=())
 def _all_gather(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]:
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _gather_into(out, x.contiguous(), _group(group))
+    _gather_into(out, x.contiguous(), resolve_group(group))
     return out, token.new_zeros(())
 
 
@@ -69,7 +69,7 @@ def _(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]
 @torch.library.custom_op("cpkv::reduce_scatter", mutates_args=())
 def _reduce_scatter(x: Tensor, group: str, world: int) -> Tensor:
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _scatter_into(out, x.contiguous(), _group(group))
+    _scatter_into(out, x.contiguous(), resolve_group(group))
     return out
 
 
@@ -98,7 +98,7 @@ def _exchange(
 ) -> tuple[Tensor, Tensor]:
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     send = x.index_select(0, send_rows).contiguous()
-    dist.all_to_all_single(out, send, list(recv_splits), list(send_splits), group=_group(group))
+    dist.all_to_all_single(out, send, list(recv_splits), list(send_splits), group=resolve_group(group))
     return out, token.new_zeros(())
 
 
@@ -110,15 +110,15 @@ def _(
 
 
 @torch.library.custom_op("cpkv::exchange_backward", mutates_args=())
-def _exchange_backward(
+def exchange_backward_op(
     grad: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int], group: str
 ) -> Tensor:
     back = grad.new_empty((sum(send_splits), *grad.shape[1:]))
-    dist.all_to_all_single(back, grad.contiguous(), list(send_splits), list(recv_splits), group=_group(group))
+    dist.all_to_all_single(back, grad.contiguous(), list(send_splits), list(recv_splits), group=resolve_group(group))
     return grad.new_zeros((num_rows, *grad.shape[1:])).index_add_(0, send_rows, back)
 
 
-@_exchange_backward.register_fake
+@exchange_backward_op.register_fake
 def _(
     grad: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int], group: str
 ) -> Tensor:
@@ -133,7 +133,7 @@ def _exchange_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _exchange_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor | None, ...]:
     (send_rows,) = ctx.saved_tensors
-    grad_x = _exchange_backward(grad, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group)
+    grad_x = exchange_backward_op(grad, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group)
     return grad_x, grad_token, None, None, None, None
 
 

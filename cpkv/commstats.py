@@ -42,7 +42,9 @@ def _row_bytes(t: Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
 
-COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "exchange", "exchange_backward")
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "exchange", "exchange_backward", "exchange_index_keys")
+
+_KEY_ROW = {0: None, 1: 4, 2: 2}  # bytes per key channel on the wire by key-dtype code (3: fp8, D + 4 per row)
 
 
 def received_bytes(op: str, args: tuple[Any, ...]) -> int:
@@ -56,6 +58,11 @@ def received_bytes(op: str, args: tuple[Any, ...]) -> int:
     if op == "exchange":
         x, _token, _rows, _send, recv, _group = args
         return int(sum(recv)) * _row_bytes(x)
+    if op == "exchange_index_keys":
+        keys, _token, _rows, _send, recv, _group, code = args
+        width = keys.shape[-1]
+        row = width + 4 if code == 3 else width * (_KEY_ROW[code] or keys.element_size())
+        return int(sum(recv)) * int(row)
     if op == "exchange_backward":
         grad, _rows, _num, send, _recv, _group = args
         return int(sum(send)) * _row_bytes(grad)

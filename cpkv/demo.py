@@ -12,9 +12,11 @@ ranks (what CP gradient reduction does). Prints a table; exits 1 on any mismatch
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -141,14 +143,35 @@ def print_table(rows: list[dict[str, Any]], cp: int, dtype: str) -> bool:
     return all_ok
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = _non_negative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cp", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--tokens", type=int, default=1536, help="packed tokens of the micro-batch (divisible by cp)")
+    parser.add_argument("--cp", type=_positive, default=4, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--tokens", type=_positive, default=1536, help="packed tokens of the micro-batch (divisible by cp)")
     parser.add_argument("--mode", choices=["all", *MODES], default="all")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ring-degree", type=int, default=1,
+    parser.add_argument("--seed", type=_non_negative, default=0)
+    parser.add_argument("--timeout", type=_positive, default=300,
+                        help="seconds a collective may wait for a peer before the process group fails (torchrun)")
+    parser.add_argument("--ring-degree", type=_positive, default=1,
                         help="rounds of the need-based kv exchange, merged exactly by LSE (plan_attention(ring_degree=...))")
     parser.add_argument("--exchange", choices=["allgather", "need"], default="need",
                         help="move every rank's tokens (allgather) or only what each rank needs (need)")
@@ -158,14 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
     if args.tokens % world != 0:
         parser.error(f"--tokens ({args.tokens}) must be divisible by the number of ranks ({world})")
-    if args.ring_degree < 1 or (args.ring_degree > 1 and args.exchange != "need"):
-        parser.error(f"--ring-degree {args.ring_degree}: needs a value >= 1, and --exchange need for values > 1")
+    if args.ring_degree > 1 and args.exchange != "need":
+        parser.error(f"--ring-degree {args.ring_degree}: values > 1 need --exchange need")
     start = time.perf_counter()
     if torchrun:
         backend = args.backend or "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         device = {"nccl": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}", "hccl": f"npu:{int(os.environ.get('LOCAL_RANK', 0))}"}
-        rows = _rank_main(dist.get_rank(), world, args, device.get(backend, "cpu"))
+        try:
+            rows = _rank_main(dist.get_rank(), world, args, device.get(backend, "cpu"))
+        except Exception:  # fail fast: torchrun stops the peers as soon as this rank exits
+            traceback.print_exc()
+            print(f"rank {dist.get_rank()}: failed; exiting so that torchrun stops the other ranks", file=sys.stderr, flush=True)
+            os._exit(1)
         is_first = dist.get_rank() == 0
         ok = print_table(rows, world, args.dtype) if is_first else True
         dist.destroy_process_group()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from cpkv.checks import check_tensor
 from cpkv.collectives import BackwardOrder, Group, exchange
+from cpkv.comm import check_group
 from cpkv.plan.routes import Routes
 
 
@@ -27,7 +29,16 @@ def exchange_rows(x: Tensor, routes: Routes, group: Group, *, order: BackwardOrd
     Returns:
         ``[routes.num_recv, ...]`` received rows in natural order. Backward: the gradient
         goes back along the same routes and is summed into ``x``'s rows.
+
+    Raises:
+        TypeError: ``x`` not a tensor, ``routes`` not :class:`Routes`, ``group`` not a process group.
     """
+    check_tensor("x", x)
+    check_group("group", group)
+    if not isinstance(routes, Routes):
+        raise TypeError(f"routes must be Routes from an AttentionPlan, got {type(routes).__name__}")
+    if routes.num_send and x.ndim == 0:
+        raise ValueError("x must be [n, ...] rows to send, got a 0-d tensor")
     if not routes.any_traffic:
         return x.new_zeros((0, *x.shape[1:]))
     return exchange(x, routes.send_rows.to(x.device), routes.send_splits, routes.recv_splits, group, order)

@@ -61,6 +61,8 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.backends", None),
     ("cpkv.backends.reference", None),
     ("cpkv.indexer_loss", ["attach_indexer_loss", "IndexerLoss"]),
+    ("cpkv.index_keys", ["round_index_keys", "exchange_index_keys", "INDEX_KEY_DTYPES"]),
+    ("cpkv.integrations.megatron", None),
     ("cpkv.launch", ["spawn", "RankError"]),
     ("cpkv.commstats", ["count_bytes", "ByteCounter"]),
 ]

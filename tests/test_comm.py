@@ -141,7 +141,7 @@ def test_bad_input_raises_on_every_rank(comm_run: tuple[int, list[dict[str, Any]
 def test_mismatched_cu_seqlens_raise_on_every_rank(comm_run: tuple[int, list[dict[str, Any]]]) -> None:
     world, results = comm_run
     for res in results:
-        assert ("differs between the ranks" in res["mismatch"]) == (world > 1), res["mismatch"]
+        assert ("differ between the ranks" in res["mismatch"]) == (world > 1), res["mismatch"]
 
 
 @pytest.mark.timeout(150)

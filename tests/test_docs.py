@@ -21,12 +21,14 @@ from cpkv import (
     check_zigzag_tnd_lengths,
     compute_prefix_kv_cu_seqlens,
     contiguous_shard_range,
+    global_num_seqs,
     plan_attention,
     rearrange_prefix_kv,
     shard_zigzag,
     validate_cu_seqlens,
 )
 from cpkv.backends import ReferenceBackend
+from cpkv.v4 import V4Attention, V4Config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -84,8 +86,19 @@ def _one_rank(call: Callable[[int], object]) -> Callable[[], object]:
     return run
 
 
-def _forward(t: int, plan: object, spec: AttentionSpec = SPEC, **kwargs: object) -> object:
-    return attention_forward(torch.zeros(t, 2, 8), torch.zeros(t, 8), plan, None, spec=spec, **kwargs)  # type: ignore[arg-type]
+def _forward(t: int, plan: object, spec: AttentionSpec = SPEC, group: object = None, **kwargs: object) -> object:
+    return attention_forward(torch.zeros(t, 2, 8), torch.zeros(t, 8), plan, group, spec=spec, **kwargs)  # type: ignore[arg-type]
+
+
+def _layer_call(plan: object, hidden_width: int = 64, compressor: object = None) -> object:
+    """An INDEXER layer call of the docs' running example with the V4 layer's modules."""
+    layer = V4Attention(V4Config(compress_ratio=4, window=16))
+    x = torch.randn(int(CU[-1]), 64)
+    q, kv = layer.project(x, torch.zeros(int(CU[-1]), dtype=torch.int64))
+    return attention_forward(
+        q, kv, plan, None, spec=AttentionSpec(d_v=24, window=16, compress_ratio=4), hidden=x[:, :hidden_width],  # type: ignore[arg-type]
+        compressor=compressor or layer.compressor, indexer=layer.indexer,  # type: ignore[arg-type]
+    )
 
 
 ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
@@ -110,6 +123,12 @@ ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 2, 0)))),
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, exchange="need", windows=[16], ring_degree=2), backend=_NamedNPU()))),
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, compress_ratios=[4]), spec=AttentionSpec(d_v=8, compress_ratio=8)))),
+    (ValueError, _one_rank(lambda t: plan_attention(CU, 2, 1, group=dist.group.WORLD))),
+    (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, exchange="need", windows=[16], compress_ratios=[4], prev_blocks={4: 0})))),
+    (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), hidden_width=32))),
+    (TypeError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), compressor=lambda x, p: None))),
+    (TypeError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0), group="cp"))),
+    (TypeError, lambda: global_num_seqs(torch.tensor(True), None)),
 ]
 
 

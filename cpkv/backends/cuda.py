@@ -1,9 +1,19 @@
-"""The CUDA backend: ``torch.nn.attention.varlen.varlen_attn`` (flash-attention varlen).
+"""The CUDA backend: ``torch.nn.attention.varlen.varlen_attn`` (flash-attention varlen) and cpkv's Triton kernels.
 
-:meth:`CUDABackend.varlen_attention` and :meth:`CUDABackend.range_attention` (ring rounds)
-run the fused kernel; the sparse ops and the indexer run the reference ops on the GPU
-tensors (no public sparse kernel fits them yet). Kernel conventions: docs/semantics.md,
-"Fused ops: CUDA"; marshalling in docs/backends.md.
+Routing (docs/backends.md):
+
+* :meth:`CUDABackend.varlen_attention` and :meth:`CUDABackend.range_attention` (ring rounds)
+  run ``varlen_attn`` where it serves the call (fp16/bf16, ``D_v <= D <= 256``) and is the
+  faster choice: dense (causal) layers, with or without sinks, and windowed layers without
+  sinks. A windowed layer with sinks, and any call with ``D > 256`` or fp32, goes to the
+  Triton sparse kernel (:mod:`cpkv.backends.triton`) through an index list (the window's
+  rows, or the causal/ring range's rows), when the kv has one head (MQA, as in V4).
+* :meth:`CUDABackend.sparse_attention`, :meth:`CUDABackend.selected_probs` (from the
+  kernel's LSE) and :meth:`CUDABackend.indexer_topk` run the Triton kernels.
+* ``deterministic=True`` makes the Triton backward compute dkv without atomics
+  (bitwise reproducible; slower).
+
+Kernel conventions: docs/semantics.md, "Fused ops: CUDA"; marshalling in docs/backends.md.
 
 Kernel adapter (one for both primitives):
 
@@ -34,10 +44,13 @@ Kernel adapter (one for both primitives):
   ``out_s = out * exp(lse - lse_s)``, in fp32 autograd on top of the above, so the
   gradients w.r.t. q, k, v and the sinks are exact.
 
-Fallbacks to the reference (a ``UserWarning`` once per backend instance and reason):
-dtypes other than fp16/bf16, head dims above 256 or ``D_v > D``, a window (finite
-``left``) on the torch 2.10 form, and tensors not on a CUDA device (torch's own kernel
-only; an injected ``varlen_attn``, as the tests use, is trusted with any device).
+Fallbacks to the reference (a ``UserWarning`` once per backend instance and reason), where
+neither kernel serves a call: for ``varlen_attn`` dtypes other than fp16/bf16, head dims
+above 256 or ``D_v > D``, a window (finite ``left``) on the torch 2.10 form, and tensors not
+on a CUDA device (torch's own kernel only; an injected ``varlen_attn``, as the tests use, is
+trusted with any device); for the Triton kernels no ``triton`` package, fp64, several kv
+heads (dense primitives), or tensors not on a CUDA device (unless ``triton_kernels=True``
+forces them, as the CPU tests do under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from cpkv.plan.segments import EntryVisibility, SegmentPlan
 __all__ = ["CUDABackend"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 CAUSAL = (-1, 0)  # window_size of bottom-right causal attention
 FULL = (-1, -1)  # window_size of attention over every key
@@ -193,20 +207,29 @@ class CUDABackend:
     Args:
         varlen_attn: the kernel function; default ``torch.nn.attention.varlen.varlen_attn``.
             Tests inject a stand-in with the same signature (trusted with any device).
-        block_size: block size of the reference ops used for the sparse parts and fallbacks.
+        block_size: block size of the reference ops used for fallbacks, and queries/entries
+            per block of the Triton indexer top-k.
+        deterministic: the Triton sparse backward computes dkv by a key-major pass over an
+            inverted index instead of fp32 atomics: bitwise reproducible run to run, slower.
+        triton_kernels: None (default) runs cpkv's Triton kernels on CUDA tensors where
+            ``triton`` is importable; False never runs them (reference ops instead); True runs
+            them on any device (CPU needs ``TRITON_INTERPRET=1`` before triton is imported: tests).
 
     Raises:
         RuntimeError: torch has no ``varlen_attn``, or its signature is neither the
             ``window_size`` form nor the torch 2.10 ``is_causal`` form.
 
     Example:
-        >>> backend = CUDABackend()  # doctest: +SKIP
+        >>> backend = CUDABackend(deterministic=True)  # doctest: +SKIP
         >>> layer(x_local, plan, group, backend=backend)  # doctest: +SKIP
     """
 
     name = "cuda"
 
-    def __init__(self, varlen_attn: Callable[..., Any] | None = None, *, block_size: int = 1024) -> None:
+    def __init__(
+        self, varlen_attn: Callable[..., Any] | None = None, *, block_size: int = 1024,
+        deterministic: bool = False, triton_kernels: bool | None = None,
+    ) -> None:
         default = _torch_varlen_attn()
         if varlen_attn is None:
             if default is None:
@@ -220,10 +243,43 @@ class CUDABackend:
         self._varlen_attn = varlen_attn
         self._check_device = varlen_attn is default
         self._reference = ReferenceBackend(block_size)
+        self._block_size = block_size
         self._warned: set[str] = set()
+        if not isinstance(deterministic, bool) or not (triton_kernels is None or isinstance(triton_kernels, bool)):
+            raise TypeError(f"deterministic must be a bool and triton_kernels a bool or None, got {deterministic!r}, {triton_kernels!r}")
+        self.deterministic = deterministic
+        self._triton_kernels = triton_kernels
 
-    def _fallback(self, q: Tensor, v: Tensor, window_size: tuple[int, int]) -> bool:
-        """Warn once per reason; True when the kernel cannot serve this call and the reference must."""
+    def _warn(self, reason: str, what: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"CUDABackend: falling back to the reference {what} for {reason}", UserWarning, stacklevel=4)
+
+    def _triton_reason(self, q: Tensor, heads_kv: int = 1) -> str | None:
+        """Why the Triton kernels cannot serve tensors like ``q`` (kv with ``heads_kv`` heads), or None."""
+        from cpkv.backends import triton as triton_ops
+
+        if self._triton_kernels is False:
+            return "triton_kernels=False"
+        if not triton_ops.is_available():
+            return "no triton package (pip install triton)"
+        if q.dtype not in TRITON_DTYPES:
+            return f"dtype {q.dtype} (the Triton kernels take float16/bfloat16/float32)"
+        if heads_kv != 1:
+            return f"{heads_kv} kv heads (the Triton kernel takes one shared kv head)"
+        if self._triton_kernels is None and q.device.type != "cuda":
+            return f"device {q.device} (Triton kernels run on CUDA devices)"
+        return None
+
+    def _triton(self, q: Tensor, what: str) -> bool:
+        """True when the Triton kernels serve this sparse primitive; else warn once and use the reference."""
+        reason = self._triton_reason(q)
+        if reason is not None:
+            self._warn(reason, what)
+        return reason is None
+
+    def _flash_reason(self, q: Tensor, v: Tensor, window_size: tuple[int, int]) -> str | None:
+        """Why ``varlen_attn`` cannot serve this call, or None."""
         reason = None
         if q.dtype not in KERNEL_DTYPES:
             reason = f"dtype {q.dtype} (flash kernels take float16/bfloat16)"
@@ -233,10 +289,42 @@ class CUDABackend:
             reason = "a sliding window (this torch's varlen_attn has no window_size)"
         elif self._check_device and q.device.type != "cuda":
             reason = f"device {q.device} (varlen_attn has no kernel there)"
-        if reason is not None and reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"CUDABackend: falling back to the reference attention for {reason}", UserWarning, stacklevel=3)
-        return reason is not None
+        return reason
+
+    def _route(self, q: Tensor, k: Tensor, v: Tensor, window_size: tuple[int, int], prefer_triton: bool) -> str:
+        """``"flash"``, ``"triton"`` (index-list sparse kernel) or ``"reference"`` (warned once) for a dense primitive."""
+        flash_reason = self._flash_reason(q, v, window_size)
+        triton_reason = self._triton_reason(q, k.shape[1])
+        if v.shape[-1] > q.shape[-1]:
+            triton_reason = f"D_v={v.shape[-1]} > D={q.shape[-1]}"
+        if flash_reason is None and (triton_reason is not None or not prefer_triton):
+            return "flash"
+        if triton_reason is None:
+            return "triton"
+        self._warn(flash_reason or triton_reason, "attention")
+        return "reference"
+
+    def _list_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, width: int, scale: float, sinks: Tensor | None
+    ) -> AttentionResult:
+        """Row ``t`` over kv rows ``[lo[t], hi[t])`` (at most ``width``) through the Triton sparse kernel.
+
+        k ``[n, 1, D]``, v ``[n, 1, D_v]``: when v is a view of k's leading channels (shared KV, as
+        in V4) the kv rows are k's; otherwise ``[v, k]`` with q zero-padded in front (exact,
+        more work).
+        """
+        from cpkv.backends.triton import sparse_attention_op
+
+        d_v = v.shape[-1]
+        kv = k[:, 0]
+        leading = not torch.compiler.is_compiling() and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+        if not leading:  # values are not k's leading channels (or unknown while compiling): append them
+            kv = torch.cat([v[:, 0], k[:, 0]], -1)
+            q = torch.cat([q.new_zeros((*q.shape[:2], d_v)), q], -1)  # zero weights on the value copy
+        rows = lo.unsqueeze(1) + torch.arange(width, device=q.device)
+        indices = torch.where(rows < hi.unsqueeze(1), rows, -1)
+        out, lse = sparse_attention_op(q, kv, indices, sinks, float(scale), d_v, self.deterministic)
+        return AttentionResult(out, lse)
 
     def _call(self, max_q: int, max_k: int, scale: float, window_size: tuple[int, int]) -> _KernelCall:
         return _KernelCall(self._varlen_attn, self._window_form, self._gqa, max_q, max_k, float(scale), window_size)
@@ -258,8 +346,15 @@ class CUDABackend:
             differentiable (q, k, v, sinks); the LSE includes the sink.
         """
         window_size = CAUSAL if window is None else (window - 1, 0)
-        if self._fallback(q, v, window_size) or q.shape[0] == 0:
+        route = self._route(q, k, v, window_size, prefer_triton=window is not None and sinks is not None)
+        if route == "reference" or q.shape[0] == 0:
             return self._reference.varlen_attention(q, k, v, segments, scale=scale, window=window, sinks=sinks)
+        if route == "triton":
+            hi = segments.q_kv_rows.to(q.device, torch.int64) + 1
+            lo = segments.q_doc_rows.to(q.device, torch.int64).clamp(min=0)
+            width = segments.max_seqlen_kv if window is None else min(window, segments.max_seqlen_kv)
+            lo = lo if window is None else torch.maximum(lo, hi - window)
+            return self._list_attention(q, k, v, lo, hi, width, scale, sinks)
         call = self._call(segments.max_seqlen_q, segments.max_seqlen_kv, scale, window_size)
         cu_q = segments.cu_seqlens_q.to(device=q.device, dtype=torch.int32)
         cu_k = segments.cu_seqlens_kv.to(device=q.device, dtype=torch.int32)
@@ -292,8 +387,12 @@ class CUDABackend:
             out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
             return AttentionResult(out, torch.full(q.shape[:2], float("-inf"), dtype=_acc(q.dtype), device=q.device))
         window_size = (ranges.left, -1)
-        if self._fallback(q, v, window_size):
+        route = self._route(q, k, v, window_size, prefer_triton=False)
+        if route == "reference":
             return self._reference.range_attention(q, k, v, ranges, scale=scale)
+        if route == "triton":
+            lo, hi = ranges.lo.to(q.device, torch.int64), ranges.hi.to(q.device, torch.int64)
+            return self._list_attention(q, k, v, lo, hi, num_keys, scale, None)
         cu = torch.tensor([[0, num_rows], [0, num_keys]], dtype=torch.int32, device=q.device)
         result = _varlen_with_sinks(self._call(num_rows, num_keys, scale, window_size), q[:num_rows], k, v, cu[0], cu[1], None)
         return _pad_rows(result, q.shape[0])
@@ -301,19 +400,51 @@ class CUDABackend:
     def sparse_attention(
         self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None,
     ) -> AttentionResult:
-        """The reference sparse attention on the GPU tensors (no fused kernel yet)."""
-        return self._reference.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks)
+        """Shared-KV sparse attention with sinks through the Triton kernel (reference where it cannot serve).
+
+        Args:
+            q: ``[T, H, D]``. kv: ``[N, D]`` one shared head, values = its first ``d_v`` channels.
+            indices: ``[T, K]`` int, -1 padded. scale: softmax scale. sinks: ``[H]`` or None.
+
+        Returns:
+            ``AttentionResult(out [T, H, d_v] dtype of q, lse [T, H] fp32)``, differentiable
+            (q, kv, sinks, also through the LSE); dkv deterministic with ``deterministic=True``.
+        """
+        if not self._triton(q, "sparse attention"):
+            return self._reference.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks)
+        from cpkv.backends.triton import sparse_attention_op
+
+        out, lse = sparse_attention_op(q, kv, indices, sinks, float(scale), d_v, self.deterministic)
+        return AttentionResult(out, lse)
 
     def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
-        """The reference head-summed probabilities of the listed rows on the GPU tensors (no gradient)."""
-        return self._reference.selected_probs(q, kv, indices, lse, scale=scale)
+        """``[T, K]`` fp32 head-summed probabilities of the listed rows from the sparse kernel's LSE (no gradient)."""
+        if not self._triton(q, "selected probabilities"):
+            return self._reference.selected_probs(q, kv, indices, lse, scale=scale)
+        from cpkv.backends.triton import selected_probs_op
+
+        result: Tensor = selected_probs_op(q.detach(), kv.detach(), indices, lse.detach(), float(scale))
+        return result
 
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
         visible: EntryVisibility, *, topk: int,
     ) -> Tensor:
-        """The reference lightning-indexer top-k on the GPU tensors."""
-        return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
+        """``[T, topk]`` int64 visible rows of ``k_index`` with the highest indexer scores (Triton scores, streaming merge).
+
+        Ties go to the earlier row; -1 padded; no gradient.
+        """
+        if not self._triton(q_index, "indexer top-k"):
+            return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
+        from cpkv.backends.triton import indexer_topk_op
+
+        start = visible.visible_start.to(q_index.device, torch.int64)
+        end = start + visible.visible_count.to(q_index.device, torch.int64)
+        indices, _ = indexer_topk_op(
+            q_index.detach(), k_index.detach(), weights.detach(), start, end, topk, self._block_size
+        )
+        result: Tensor = indices
+        return result
 
 
 def _torch_varlen_attn() -> Callable[..., Any] | None:

@@ -103,7 +103,7 @@ def _need(cu: Tensor, cp: int, rank: int, ratio: int, dims: Dims) -> tuple[list[
     if ratio > 1:
         routes = plan.compressed[ratio]
         outs.append(exchange_rows(_meta(local, dims.hidden, dims), routes.hidden, None))
-        owned = routes.owned.num_entries
+        owned = routes.num_owned
         outs.append(exchange_rows(_meta(owned, dims.kv_dim, dims), routes.entries, None))
         if ratio == 4:  # the indexer's compressed keys travel the same routes, in the fp32 compute dtype
             key_dtype = torch.promote_types(kv.dtype, torch.float32)

@@ -19,8 +19,10 @@ from typing import Literal, get_args
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from cpkv.checks import check_int
+from cpkv.comm import check_group_position, check_same_on_all_ranks
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.plan.routes import CompressedRoutes, Routes, compressed_routes, kv_routes, plan_routes, rank_bounds
@@ -84,6 +86,8 @@ class AttentionPlan:
             (key ``None``) that serves every window.
         compressed: need exchange: the :class:`~cpkv.plan.routes.CompressedRoutes` of each ratio.
         windows, compress_ratios: what was planned.
+        prev_blocks: per planned ratio, how many earlier blocks of the same document each
+            entry's compressor may read (the need exchange's compressor-input halo covers them).
     """
 
     layout: Layout
@@ -102,6 +106,7 @@ class AttentionPlan:
     compressed: Mapping[int, CompressedRoutes]
     windows: tuple[int | None, ...]
     compress_ratios: tuple[int, ...]
+    prev_blocks: Mapping[int, int]
 
     @property
     def q_positions(self) -> Tensor:
@@ -166,7 +171,6 @@ def _need_sources(
     ring_degree: int, device: torch.device,
 ) -> dict[int | None, KVSource]:
     owned = rank_bounds(prefix.local_len, cp_size)
-    cu_q, cu_kv = prefix.cu_seqlens_q.to(device), prefix.cu_seqlens_kv.long().to(device)
     sources: dict[int | None, KVSource] = {}
     for window in dict.fromkeys(windows):
         if window is not None:
@@ -178,15 +182,36 @@ def _need_sources(
             ), None
         else:
             offset, rounds, halo_or_none = int(lo[cp_rank]) - prefix.kv_start, (), halo
-        cu_buffer = torch.cat([cu_kv[:1], cu_kv[1:] - offset]) if cu_kv.numel() > 1 else cu_kv
-        buffer_segments = plan_segments(cu_q, cu_buffer, kv_offset=offset)
-        sources[window] = KVSource(halo_or_none, offset, buffer_segments, rounds)
+        sources[window] = KVSource(halo_or_none, offset, _buffer_segments(segments, offset), rounds)
     return sources
+
+
+def _buffer_segments(segments: SegmentPlan, offset: int) -> SegmentPlan:
+    """``segments`` over a buffer that lacks the first ``offset`` prefix rows, without compressed entries.
+
+    Equal to ``plan_segments(cu_q, [0, cu_kv[1:] - offset], kv_offset=offset)``, derived by
+    arithmetic: only the first kv segment shrinks; every row moves up by ``offset`` and the
+    positions stay (tensors that do not change are those of ``segments``, shared).
+    """
+    cu_kv, kv_ends = segments.cu_seqlens_kv, segments.actual_seq_kvlen
+    if kv_ends:
+        cu_kv = torch.cat([cu_kv[:1], cu_kv[1:] - offset])
+    lengths = [end - start for start, end in zip((0, *kv_ends[:-1]), kv_ends)]
+    if lengths:
+        lengths[0] -= offset
+    return SegmentPlan(
+        cu_seqlens_q=segments.cu_seqlens_q, cu_seqlens_kv=cu_kv, max_seqlen_q=segments.max_seqlen_q,
+        max_seqlen_kv=max(lengths, default=0), actual_seq_qlen=segments.actual_seq_qlen,
+        actual_seq_kvlen=tuple(end - offset for end in kv_ends), q_positions=segments.q_positions,
+        q_kv_rows=segments.q_kv_rows - offset if offset else segments.q_kv_rows,
+        q_doc_rows=segments.q_doc_rows - offset if offset else segments.q_doc_rows, compressed=(), visible=(),
+    )
 
 
 def plan_attention(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout = "contiguous", exchange: Exchange = "allgather",
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
+    prev_blocks: Mapping[int, int] | None = None, group: ProcessGroup | None = None, check_ranks: bool = True,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
@@ -205,6 +230,18 @@ def plan_attention(
         windows: the sliding windows of the layers (``None`` for dense causal) that will use
             this plan with ``exchange="need"`` (each gets its own halo; default: dense only).
             Ignored by the all-gather exchange, whose prefix serves every window.
+        prev_blocks: per ratio, how many earlier blocks of the same document each entry's
+            compressor reads (a compressor declares it as ``compressor.prev_blocks``); default
+            DeepSeek-V4's: 1 for ratio 4 (the overlapping compressor), 0 otherwise. A layer whose
+            compressor reads more than planned raises before any collective.
+        group: the CP process group (``torch.distributed.group.WORLD`` for the default group),
+            or ``None`` (default) to plan without communication. With a group,
+            ``cp_size``/``cp_rank`` must be the group's, and (``check_ranks=True``, the default)
+            every rank's ``cu_seqlens`` and options are compared exactly with two small
+            all-reduces (MAX of the values and of their negations): every rank raises the same
+            ``ValueError`` when any rank differs. Once per micro-batch; a host sync.
+        check_ranks: set ``False`` to skip the cross-rank comparison (the group position is
+            still checked).
 
     Returns:
         :class:`AttentionPlan`.
@@ -214,7 +251,8 @@ def plan_attention(
             an unknown layout or exchange, ``exchange="need"`` or ``ring_degree > 1`` with the
             zigzag layout, ``ring_degree > 1`` without ``exchange="need"``, a zigzag document
             length not divisible by ``2 * cp_size`` (the first one is named), a ratio ``< 2``,
-            a window ``< 1``.
+            a window ``< 1``, a group position other than ``(cp_size, cp_rank)``, ranks that
+            disagree on ``cu_seqlens`` or the options.
 
     Example:
         >>> plan = plan_attention(torch.tensor([0, 5, 12, 16]), 2, 1, compress_ratios=[4])
@@ -232,6 +270,15 @@ def plan_attention(
         raise ValueError("layout='zigzag' supports only exchange='allgather' (the need exchange is contiguous-only)")
     validate_cu_seqlens(cu_seqlens)
     ratios = tuple(dict.fromkeys(compress_ratios))
+    for ratio in ratios:
+        check_int("compress_ratios[i]", ratio, minimum=2)
+    reach = _prev_blocks(ratios, prev_blocks)
+    if group is not None:
+        check_group_position(group, cp_size, cp_rank)
+        if check_ranks:
+            options = [LAYOUTS.index(layout), EXCHANGES.index(exchange), ring_degree, *ratios, *reach.values(), -7,
+                       *(-1 if w is None else check_int("windows[i]", w, minimum=1) for w in windows)]
+            check_same_on_all_ranks(cu_seqlens, group, options=options)
     num_tokens = int(cu_seqlens[-1])
     offset, local_len = contiguous_shard_range(num_tokens, cp_size, cp_rank)
     device = cu_seqlens.device
@@ -248,14 +295,23 @@ def plan_attention(
             cu = cu_seqlens.detach().to("cpu", torch.int64)
             kv = _need_sources(cu, segments, prefix, cp_size, cp_rank, tuple(windows) or (None,), ring_degree, device)
             owned = rank_bounds(local_len, cp_size)
-            compressed = {r: compressed_routes(cu, owned, cp_rank, r, device) for r in ratios}
+            compressed = {r: compressed_routes(cu, owned, cp_rank, r, reach[r], device) for r in ratios}
     return AttentionPlan(
         layout=layout, exchange=exchange, ring_degree=ring_degree, cp_size=cp_size, cp_rank=cp_rank,
         num_tokens=num_tokens, local_len=local_len, num_documents=cu_seqlens.numel() - 1,
         num_global_queries=num_tokens, segments=segments, prefix=prefix, gather_rows=rows,
         kv=MappingProxyType(kv), compressed=MappingProxyType(compressed),
-        windows=tuple(dict.fromkeys(windows)), compress_ratios=ratios,
+        windows=tuple(dict.fromkeys(windows)), compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
     )
+
+
+def _prev_blocks(ratios: Sequence[int], prev_blocks: Mapping[int, int] | None) -> dict[int, int]:
+    """Earlier blocks each ratio's compressor reads: the caller's, else DeepSeek-V4's (1 at ratio 4)."""
+    given = dict(prev_blocks or {})
+    unknown = [r for r in given if r not in ratios]
+    if unknown:
+        raise ValueError(f"prev_blocks names ratios {unknown} that are not in compress_ratios={list(ratios)}")
+    return {r: check_int(f"prev_blocks[{r}]", given.get(r, 1 if r == 4 else 0), minimum=0) for r in ratios}
 
 
 def bsnd_cu_seqlens(batch: int, seq_len: int, *, device: torch.device | str | None = None) -> Tensor:

@@ -6,7 +6,8 @@ contiguous range just before ``a_r`` (docs/semantics.md, "Exchanges"):
 
 * dense causal layers: the kv of ``[kv_start, a_r)`` (the first document's earlier part);
 * window layers: only the halo ``[max(kv_start, a_r - W + 1), a_r)``;
-* compressed layers: the halo of *compressor inputs* that the rank's own blocks read, and
+* compressed layers: the halo of *compressor inputs* that the rank's own blocks read (each
+  entry reads its block and the ``prev_blocks`` blocks before it, as its compressor declares), and
   the compressed entries of the first document owned by earlier ranks. An entry is owned,
   i.e. computed exactly once, by the rank holding the last token of its block.
 
@@ -83,17 +84,31 @@ def plan_routes(needed: Tensor, owned: Tensor, rank: int, *, device: torch.devic
 class CompressedRoutes:
     """Need-based plan of one compress ratio for one rank.
 
+    The rank owns the blocks whose last token it holds. The few that also read rows before
+    ``a_r`` (the block straddling the boundary and, with ``prev_blocks``, the next ones) are
+    compressed from a small buffer ``[halo ; own tokens[:straddle_rows]]``; all the others from
+    the rank's own tokens directly, without a copy.
+
     Attributes:
         hidden: routes of the compressor-input halo (tokens before ``a_r`` that the rank's
-            own blocks read); the compressor's input buffer is ``[halo ; own tokens]``.
-        owned: the blocks this rank computes, over that buffer (:class:`CompressedPlan`).
-        entries: routes of compressed entries (global entry ids) to the ranks that see them;
-            the entry buffer is ``[received ; owned]``, the prefix's entries in order.
+            straddling blocks read).
+        straddle: the straddling blocks, over ``[halo ; own tokens[:straddle_rows]]``.
+        straddle_rows: own tokens the straddling blocks read.
+        own: the other owned blocks, over the rank's own tokens (rows relative to ``a_r``).
+        entries: routes of compressed entries (global entry ids, owned = ``[straddle ; own]``)
+            to the ranks that see them; the prefix's entries are ``[received ; straddle ; own]``.
     """
 
     hidden: Routes
-    owned: CompressedPlan
+    straddle: CompressedPlan
+    straddle_rows: int
+    own: CompressedPlan
     entries: Routes
+
+    @property
+    def num_owned(self) -> int:
+        """Entries this rank computes."""
+        return self.straddle.num_entries + self.own.num_entries
 
 
 def rank_bounds(local_len: int, cp_size: int) -> Tensor:
@@ -123,20 +138,25 @@ def _entries_before(cu: Tensor, bounds: Tensor, ratio: int) -> Tensor:
     return torch.div(span, ratio, rounding_mode="floor").sum(1)
 
 
-def _halo_start(cu: Tensor, owned: Tensor, ratio: int) -> Tensor:
-    """``[cp]`` first compressor-input token each rank's own blocks read (with the ratio-4 overlap's previous block)."""
+def _halo_start(cu: Tensor, owned: Tensor, ratio: int, prev_blocks: int) -> Tensor:
+    """``[cp]`` first compressor-input token each rank's own blocks read (and ``prev_blocks`` earlier blocks each)."""
     a, b = owned[:, 0], owned[:, 1]
     doc = torch.searchsorted(cu[1:], a.contiguous(), right=True).clamp(max=cu.numel() - 2)
     start, end = cu[doc], cu[doc + 1]
     j0 = torch.div((a - start).clamp(min=0), ratio, rounding_mode="floor")  # first block ending at or after a
     block_done = start + (j0 + 1) * ratio <= torch.minimum(end, b)
-    prev = (j0 > 0).long() if ratio == 4 else torch.zeros_like(j0)
-    lo = torch.minimum(a, start + (j0 - prev) * ratio)
+    lo = torch.minimum(a, start + (j0 - j0.clamp(max=prev_blocks)) * ratio)
     return torch.where((start < a) & block_done, lo, a)
 
 
-def compressed_routes(cu: Tensor, owned: Tensor, rank: int, ratio: int, device: torch.device) -> CompressedRoutes:
-    """The compressor-input halo, owned blocks and entry routes of ``rank`` at ``ratio``."""
+def compressed_routes(
+    cu: Tensor, owned: Tensor, rank: int, ratio: int, prev_blocks: int, device: torch.device
+) -> CompressedRoutes:
+    """The compressor-input halo, owned blocks and entry routes of ``rank`` at ``ratio``.
+
+    Each entry's compressor reads its own block and the ``prev_blocks`` blocks before it in
+    the same document; the halo holds every such row before the rank's first token.
+    """
     owned_ids = _entries_before(cu, torch.cat([owned[:, 0], owned[-1:, 1]]), ratio)
     entry_owned = torch.stack([owned_ids[:-1], owned_ids[1:]], 1)
     cu_cmp = compress_cu_seqlens(cu, ratio).cu_seqlens.long()
@@ -146,10 +166,21 @@ def compressed_routes(cu: Tensor, owned: Tensor, rank: int, ratio: int, device: 
     ids = torch.arange(int(entry_owned[rank, 0]), int(entry_owned[rank, 1]))
     doc = torch.searchsorted(cu_cmp[1:], ids, right=True)
     j = ids - cu_cmp[doc]
-    halo = _halo_start(cu, owned, ratio)
+    halo = _halo_start(cu, owned, ratio, prev_blocks)
     hidden = plan_routes(torch.stack([halo, owned[:, 0]], 1), owned, rank, device=device)
-    blocks = CompressedPlan(
-        ratio=ratio, block_starts=(cu[:-1][doc] + j * ratio - int(halo[rank])).to(device),
-        entry_positions=(j * ratio).to(device), num_entries=int(ids.numel()),
+    a_r, halo_lo = int(owned[rank, 0]), int(halo[rank])
+    starts = cu[:-1][doc] + j * ratio
+    first_read = starts - j.clamp(max=prev_blocks) * ratio
+    num_straddle = int((first_read < a_r).sum())  # a prefix: blocks are in order
+    straddle_rows = int(starts[num_straddle - 1]) + ratio - a_r if num_straddle else 0
+
+    def blocks(part: slice, base: int) -> CompressedPlan:
+        return CompressedPlan(
+            ratio=ratio, block_starts=(starts[part] - base).to(device), entry_positions=(j[part] * ratio).to(device),
+            num_entries=int(starts[part].numel()),
+        )
+
+    return CompressedRoutes(
+        hidden=hidden, straddle=blocks(slice(0, num_straddle), halo_lo), straddle_rows=straddle_rows,
+        own=blocks(slice(num_straddle, None), a_r), entries=entries,
     )
-    return CompressedRoutes(hidden=hidden, owned=blocks, entries=entries)

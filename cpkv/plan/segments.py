@@ -150,22 +150,33 @@ class SegmentPlan:
         return torch.where(visible, rows - offset, -1)
 
 
-def _compressed(cu_kv: Tensor, seg_of_query: Tensor, q_positions: Tensor, ratio: int) -> tuple[CompressedPlan, EntryVisibility]:
+def _segment_of_rows(counts: Tensor, total: int) -> Tensor:
+    """``[total]`` int64 segment of each row, segments of ``counts`` rows in order.
+
+    Per-row values are then gathered with ``index_select`` (several times cheaper on CPU than
+    advanced indexing ``values[seg]`` or ``repeat_interleave`` of the values).
+    """
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
+
+
+def _compressed(
+    cu_kv: Tensor, seg_of_query: Tensor, q_positions: Tensor, ratio: int
+) -> tuple[CompressedPlan, EntryVisibility]:
     cmp = compress_cu_seqlens(cu_kv, ratio)
     cu_cmp = cmp.cu_seqlens.long()
-    counts = cu_cmp.diff()
     num_entries = int(cu_cmp[-1])
-    seg_of_entry = torch.repeat_interleave(torch.arange(counts.numel(), device=cu_kv.device), counts, output_size=num_entries)
-    j = torch.arange(num_entries, device=cu_kv.device) - cu_cmp[seg_of_entry]
-    visible = torch.div(q_positions + 1, ratio, rounding_mode="floor")
-    blocks = CompressedPlan(
-        ratio=ratio, block_starts=cu_kv.long()[seg_of_entry] + j * ratio, entry_positions=j * ratio,
-        num_entries=num_entries,
-    )
+    # Entry k of segment b, j = k - cu_cmp[b]: block start cu_kv[b] + j*m, position j*m.
+    # (In-place steps: every fresh large tensor costs page faults, a good part of planning time.)
+    seg = _segment_of_rows(cu_cmp.diff(), num_entries)
+    positions = torch.arange(0, num_entries * ratio, ratio, device=cu_kv.device)  # k * m, then j * m
+    positions -= (cu_cmp[:-1] * ratio).index_select(0, seg)
+    block_starts = cu_kv.long()[:-1].index_select(0, seg).add_(positions)
+    visible = torch.add(q_positions, 1).div_(ratio, rounding_mode="floor")
+    blocks = CompressedPlan(ratio=ratio, block_starts=block_starts, entry_positions=positions, num_entries=num_entries)
     return blocks, EntryVisibility(
         ratio=ratio,
         cu_seqlens=cmp.cu_seqlens,
-        visible_start=cu_cmp[seg_of_query],
+        visible_start=cu_cmp[:-1].index_select(0, seg_of_query),
         visible_count=visible,
         num_entries=num_entries,
         max_visible=int(visible.max()) if visible.numel() else 0,
@@ -201,12 +212,16 @@ def plan_segments(
         raise ValueError("cu_seqlens_kv: every kv segment must be at least as long as its query segment")
     for ratio in compress_ratios:
         check_int("compress_ratios[i]", ratio, minimum=2)
-    num_q = int(cu_seqlens_q[-1])
-    seg = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens, output_size=num_q)
-    i = torch.arange(num_q, device=q_lens.device) - cu_seqlens_q.long()[seg]
-    doc_rows = cu_seqlens_kv.long()[seg] - torch.where(seg == 0, kv_offset, 0)
-    positions = (cu_seqlens_kv.long()[seg] + (kv_lens - q_lens)[seg] + i) - doc_rows
     host = torch.stack([cu_seqlens_q.long(), cu_seqlens_kv.long()]).cpu()
+    num_q = int(host[0, -1])
+    cu_q, cu_kv = cu_seqlens_q.long()[:-1], cu_seqlens_kv.long()[:-1]
+    seg = _segment_of_rows(q_lens, num_q)
+    # Query i of segment b: document row cu_kv[b] (less kv_offset in the first segment) and
+    # position (Lkv_b - Lq_b) + i (plus kv_offset in the first segment), i = t - cu_q[b].
+    first = torch.zeros_like(cu_kv)
+    first[:1] = kv_offset
+    doc_rows = (cu_kv - first).index_select(0, seg)
+    positions = (kv_lens - q_lens - cu_q + first).index_select(0, seg).add_(torch.arange(num_q, device=q_lens.device))
     pairs = [_compressed(cu_seqlens_kv, seg, positions, r) for r in dict.fromkeys(compress_ratios)]
     return SegmentPlan(
         cu_seqlens_q=cu_seqlens_q.to(torch.int32),

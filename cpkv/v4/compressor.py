@@ -29,12 +29,18 @@ class Compressor(nn.Module):
         if ratio < 2:
             raise ValueError(f"ratio must be >= 2 for a compressor, got {ratio}")
         self.ratio, self.head_dim, self.rope_dim, self.rope_base = ratio, head_dim, rope_dim, rope_base
+        self.input_dim = hidden
         self.overlap = ratio == 4 if overlap is None else overlap
         width = head_dim * (2 if self.overlap else 1)
         self.wkv = nn.Linear(hidden, width, bias=False)
         self.wgate = nn.Linear(hidden, width, bias=False)
         self.ape = nn.Parameter(torch.randn(ratio, width) * 0.1)
         self.norm_weight = nn.Parameter(torch.ones(head_dim))
+
+    @property
+    def prev_blocks(self) -> int:
+        """Earlier blocks of the same document each entry reads: 1 with the overlap, else 0."""
+        return 1 if self.overlap else 0
 
     def _project(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
         """``a``, ``z`` of the tokens at ``rows`` ``[N_c, m]`` -> ``[N_c, m, width]`` each."""

@@ -20,6 +20,7 @@ class Indexer(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int, *, rope_dim: int, rope_base: float, ratio: int = 4) -> None:
         super().__init__()
         self.heads, self.head_dim, self.rope_dim, self.rope_base = heads, head_dim, rope_dim, rope_base
+        self.input_dim = hidden
         self.wq = nn.Linear(hidden, heads * head_dim, bias=False)
         self.wweights = nn.Linear(hidden, heads, bias=False)
         self.compressor = Compressor(hidden, head_dim, ratio, rope_dim=rope_dim, rope_base=rope_base)
@@ -28,6 +29,11 @@ class Indexer(nn.Module):
     def ratio(self) -> int:
         """The compress ratio of the indexer keys."""
         return self.compressor.ratio
+
+    @property
+    def prev_blocks(self) -> int:
+        """Earlier blocks each key entry reads (its compressor's)."""
+        return self.compressor.prev_blocks
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q_I`` ``[T, H_I, D_I]`` (RoPE at ``positions``) and scaled weights ``[T, H_I]``."""

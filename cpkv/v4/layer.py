@@ -40,6 +40,7 @@ class V4Config:
     rope_base: float = 10000.0
     compress_rope_base: float = 160000.0
     sinks: bool = True
+    index_key_dtype: torch.dtype | None = None
 
     @property
     def d_v(self) -> int:
@@ -54,7 +55,10 @@ class V4Config:
     @property
     def spec(self) -> AttentionSpec:
         """The :class:`AttentionSpec` the pipeline runs with."""
-        return AttentionSpec(d_v=self.d_v, compress_ratio=self.compress_ratio, window=self.window, topk=self.topk)
+        return AttentionSpec(
+            d_v=self.d_v, compress_ratio=self.compress_ratio, window=self.window, topk=self.topk,
+            index_key_dtype=self.index_key_dtype,
+        )
 
 
 class LayerOutput(NamedTuple):
@@ -109,10 +113,16 @@ class V4Attention(nn.Module):
         check_ndim("x", check_tensor("x", x), 2, "[T/cp, hidden]")
         if x.shape[-1] != self.config.hidden:
             raise ValueError(f"x must be [T/cp, hidden] with hidden = {self.config.hidden}, got {tuple(x.shape)}")
-        if isinstance(plan, AttentionPlan) and x.shape[0] != plan.local_len:
+        if x.dtype != self.wq.weight.dtype or x.device != self.wq.weight.device:
+            raise TypeError(
+                f"x must have the layer's dtype and device ({self.wq.weight.dtype}, {self.wq.weight.device}),"
+                f" got {x.dtype}, {x.device}"
+            )
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be an AttentionPlan from cpkv.plan_attention, got {type(plan).__name__}")
+        if x.shape[0] != plan.local_len:
             raise ValueError(f"x must hold this rank's {plan.local_len} tokens (plan.local_len), got {x.shape[0]}")
-        positions = plan.q_positions if isinstance(plan, AttentionPlan) else x.new_zeros(x.shape[0], dtype=torch.int64)
-        q, kv = self.project(x, positions)
+        q, kv = self.project(x, plan.q_positions)
         result = attention_forward(
             q, kv, plan, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
             compressor=self.compressor, indexer=self.indexer, backend=backend, grad_scale=grad_scale,

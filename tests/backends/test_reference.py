@@ -277,6 +277,127 @@ def test_range_empty_rows_where_hi_below_lo() -> None:
     assert bool(b.lse[3].isneginf().all()) and torch.equal(b.out[3], torch.zeros_like(b.out[3]))
 
 
+# --------------------------------------------------------------------------- non-finite isolation
+# Packed segments are independent: a NaN/inf token must reach only the outputs and gradients that
+# depend on it, even though the tiles (block_size 8 here) span segments. Everything else must be
+# finite and equal to a clean run (the bad token replaced by a finite value).
+
+ISO_LENS = [7, 13, 13]  # cu_seqlens [0, 7, 20, 33]: tiles [0, 8), [8, 16), ... span documents
+ISO_LO = torch.tensor([0, 0, 0, 2, 2, 5, 5, 5, 9, 12, 12, 15])  # range rows 0 and 9 see nothing
+ISO_HI = torch.tensor([0, 3, 5, 5, 8, 8, 10, 12, 12, 12, 18, 20])
+
+
+def check_isolated(run: Any, inputs: list[Tensor], mask: Tensor, which: int, index: int, value: float) -> None:
+    """Corrupt token ``index`` of ``inputs[which]`` (0 = q, 1 = k, 2 = v; every head) with ``value``.
+
+    Rows that depend on it: the bad query itself, or the queries that see the bad key. The loss
+    weighs every output, so their gradients (dq of those rows, dk/dv of every key they see, the
+    sinks) may be non-finite; every other output and gradient equals the clean run. With a NaN
+    (always for k, v; for q) the dependents are certainly non-finite (out, dq, dk).
+    """
+    bad = [x.clone() for x in inputs]
+    bad[which][index] = value
+    out0, lse0, g0 = grads(run, inputs)
+    out1, lse1, g1 = grads(run, bad)
+    rows = torch.zeros(mask.shape[0], dtype=torch.bool)
+    if which == 0:
+        rows[index] = bool(mask[index].any())
+    else:
+        rows = mask[:, index].clone()
+    keys = mask[rows].any(0)  # keys seen by a row that depends on the bad token
+    ok_rows, ok_keys = ~rows, ~keys
+    assert bool(ok_rows.any()) and bool(ok_keys.any())
+    for got, clean, ok in ((out1, out0, ok_rows), (lse1, lse0, ok_rows), (g1[0], g0[0], ok_rows),
+                           (g1[1], g0[1], ok_keys), (g1[2], g0[2], ok_keys)):
+        if got is not lse1:
+            assert bool(got[ok].isfinite().all())
+        torch.testing.assert_close(got[ok], clean[ok])
+    certain = math.isnan(value) or which == 2  # an inf key/query may only mask its pair (score -inf)
+    if certain and bool(rows.any()):
+        assert not bool(out1[rows].isfinite().any())
+        assert not bool(g1[0][rows].isfinite().any())
+        assert not bool(g1[1][keys].isfinite().any())
+    if len(inputs) > 3 and not bool(rows.any()):
+        torch.testing.assert_close(g1[3], g0[3])
+    elif len(inputs) > 3 and certain:  # every sink sees every row: the bad rows reach dsinks
+        assert not bool(g1[3].isfinite().any())
+    empty = ~mask.any(1)  # rows that see nothing and have no sink: out 0, finite gradients
+    if len(inputs) == 3 and bool(empty.any()):
+        assert torch.equal(out1[empty], torch.zeros_like(out1[empty]))
+        assert torch.equal(g1[0][empty], torch.zeros_like(g1[0][empty]))
+
+
+ISO_BAD = [(1, 3, math.nan), (1, 3, math.inf), (2, 3, math.nan), (2, 3, -math.inf), (1, 12, math.nan),
+           (2, 19, math.nan), (0, 4, math.nan), (0, 7, math.nan), (0, 15, math.inf)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize(("which", "index", "value"), ISO_BAD)
+@pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (4, False), (None, True)])
+def test_varlen_nonfinite_token_stays_in_its_document(
+    dtype: torch.dtype, which: int, index: int, value: float, window: int | None, with_sinks: bool
+) -> None:
+    t = sum(ISO_LENS)
+    inputs = [rand(t, 4, 8, dtype=dtype), rand(t, 2, 8, dtype=dtype, seed=1), rand(t, 2, 6, dtype=dtype, seed=2)]
+    inputs += [rand(4, dtype=dtype, seed=3)] if with_sinks else []
+
+    def run(q: Tensor, k: Tensor, v: Tensor, *sinks: Tensor) -> tuple[Tensor, Tensor]:
+        return varlen_attention(q, k, v, cu(ISO_LENS), cu(ISO_LENS), window=window,
+                                sinks=sinks[0] if sinks else None, block_size=8)
+
+    check_isolated(run, inputs, varlen_mask(ISO_LENS, ISO_LENS, window), which, index, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize(("which", "index", "value"), [(1, 6, math.nan), (2, 6, math.inf), (1, 0, math.nan),
+                                                       (2, 19, math.nan), (0, 6, math.nan), (0, 9, math.nan)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_range_nonfinite_token_stays_in_its_rows(
+    dtype: torch.dtype, which: int, index: int, value: float, with_sinks: bool
+) -> None:
+    inputs = [rand(12, 4, 8, dtype=dtype), rand(20, 2, 8, dtype=dtype, seed=1), rand(20, 2, 6, dtype=dtype, seed=2)]
+    inputs += [rand(4, dtype=dtype, seed=3)] if with_sinks else []
+
+    def run(q: Tensor, k: Tensor, v: Tensor, *sinks: Tensor) -> tuple[Tensor, Tensor]:
+        return range_attention(q, k, v, ISO_LO, ISO_HI, sinks=sinks[0] if sinks else None, block_size=4)
+
+    check_isolated(run, inputs, range_mask(ISO_LO, ISO_HI, 20), which, index, value)
+
+
+def test_nonfinite_kv_head_stays_in_its_heads() -> None:
+    """A NaN in kv head 0 of one token spares the query heads of kv head 1, in the same rows."""
+    t = sum(ISO_LENS)
+    q, k, v = rand(t, 4, 8), rand(t, 2, 8, seed=1), rand(t, 2, 6, seed=2)
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return varlen_attention(q, k, v, cu(ISO_LENS), cu(ISO_LENS), block_size=8)
+
+    out0, _, g0 = grads(run, [q, k, v])
+    k[3, 0, 2] = math.nan
+    out1, _, g1 = grads(run, [q, k, v])
+    torch.testing.assert_close(out1[:, 2:], out0[:, 2:])
+    torch.testing.assert_close(g1[0][:, 2:], g0[0][:, 2:])
+    torch.testing.assert_close(g1[1][:, 1], g0[1][:, 1])
+    torch.testing.assert_close(g1[2][:, 1], g0[2][:, 1])
+    assert not bool(out1[3:7, :2].isfinite().any()) and bool(out1[7:].isfinite().all())
+
+
+def test_nonfinite_upstream_gradient_stays_in_its_document() -> None:
+    """A NaN in d_out of one row reaches only dq of that row and dk/dv of the keys it sees."""
+    t = sum(ISO_LENS)
+    q, k, v = (x.requires_grad_(True) for x in (rand(t, 4, 8), rand(t, 2, 8, seed=1), rand(t, 2, 6, seed=2)))
+    out = varlen_attention(q, k, v, cu(ISO_LENS), cu(ISO_LENS), block_size=8).out
+    d_out = rand(*out.shape, seed=4)
+    clean = torch.autograd.grad(out, [q, k, v], d_out, retain_graph=True)
+    d_out[9] = math.nan  # document B row 2 sees keys 7..9
+    got = torch.autograd.grad(out, [q, k, v], d_out)
+    rows, keys = torch.arange(t) != 9, (torch.arange(t) < 7) | (torch.arange(t) > 9)
+    torch.testing.assert_close(got[0][rows], clean[0][rows])
+    for g, c in zip(got[1:], clean[1:]):
+        torch.testing.assert_close(g[keys], c[keys])
+        assert not bool(g[7:10].isfinite().any())
+
+
 # --------------------------------------------------------------------------- sparse
 
 INDICES = torch.tensor([[0, 3, 5, -1], [2, -1, 7, 1], [-1, -1, -1, -1], [6, 4, 0, 2], [7, -1, -1, -1]])

@@ -59,18 +59,23 @@ def test_routes_deliver_exactly_what_is_needed(lengths: list[int], cp: int, wind
         assert got_tokens[r].tolist() == list(range(lo, r * local))
         assert plan.kv[window].offset == lo - prefix.kv_start
         # Owned entries: blocks whose last token lies in this rank's range, computable from the local buffer.
-        owned = plan.compressed[ratio].owned
-        hidden_lo = r * local - plan.compressed[ratio].hidden.num_recv  # the halo ends at a_r
-        block_first = owned.block_starts + hidden_lo
+        routes = plan.compressed[ratio]
+        hidden_lo = r * local - routes.hidden.num_recv  # the halo ends at a_r
+        block_first = torch.cat([routes.straddle.block_starts + hidden_lo, routes.own.block_starts + r * local])
+        positions = torch.cat([routes.straddle.entry_positions, routes.own.entry_positions])
         ends = block_first + ratio - 1
         assert bool(((ends >= r * local) & (ends < (r + 1) * local)).all())
-        assert bool((owned.block_starts >= (ratio if ratio == 4 else 0) * (owned.entry_positions > 0)).all())
+        reach = ratio if ratio == 4 else 0  # the default prev_blocks: 1 at ratio 4
+        # straddling blocks read their previous block from the halo buffer; the others only own rows
+        assert bool((routes.straddle.block_starts >= reach * (routes.straddle.entry_positions > 0)).all())
+        assert bool((routes.own.block_starts - reach * (routes.own.entry_positions > 0) >= 0).all())
+        assert routes.straddle.num_entries <= 2 and routes.straddle_rows <= routes.straddle.num_entries * ratio
         doc_of_block = torch.searchsorted(cu[1:], block_first, right=True)
-        assert torch.equal(block_first - starts[doc_of_block], owned.entry_positions)
+        assert torch.equal(block_first - starts[doc_of_block], positions)
     # Entries: every rank ends up with all entries of its prefix documents, in order.
     owned_ids, first = [], 0
     for plan in plans:
-        n = plan.compressed[ratio].owned.num_entries
+        n = plan.compressed[ratio].num_owned
         owned_ids.append(torch.arange(first, first + n))
         first += n
     assert first == int(cu_cmp[-1])

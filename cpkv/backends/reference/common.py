@@ -61,3 +61,44 @@ def block_bounds(lo: Tensor, hi: Tensor, block_size: int) -> list[tuple[int, int
     k_hi = torch.nn.functional.pad(hi, (0, pad), value=-big).view(-1, block_size).amax(1)
     starts = range(0, n, block_size)
     return [(t0, min(t0 + block_size, n), a, b) for t0, a, b in zip(starts, k_lo.tolist(), k_hi.tolist())]
+
+
+# --------------------------------------------------------------------------- non-finite isolation
+# Masked (invisible) pairs get probability 0, but ``0 * NaN = NaN``: a tile product such as
+# ``P @ V`` would spread one bad row of V to every query row of the tile, other documents
+# included. The ops therefore multiply only finite data (``finite_rows``) and afterwards poison
+# exactly the results that see a non-finite row (``ranges_hit`` / ``ranges_cover``).
+
+
+def finite_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x with its non-finite rows zeroed, bad)``: a row is ``x[..., :]``; ``bad`` is ``x.shape[:-1]`` bool."""
+    bad = ~torch.isfinite(x).all(-1)
+    return x.masked_fill(bad.unsqueeze(-1), 0.0), bad
+
+
+def _clamped(lo: Tensor, hi: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    lo = lo.long().clamp(0, n)
+    return lo, torch.maximum(lo, hi.long().clamp(0, n))
+
+
+def ranges_hit(lo: Tensor, hi: Tensor, flagged: Tensor) -> Tensor:
+    """Per row ``t``: whether some flagged key ``lo[t] <= j < hi[t]`` exists.
+
+    ``lo``, ``hi``: ``[T]`` int (any order; ``lo >= hi`` is empty). ``flagged``: ``[T_kv, ...]``
+    bool. Returns ``[T, ...]`` bool (prefix sums: no ``[T, T_kv]`` matrix, no host sync).
+    """
+    lo, hi = _clamped(lo, hi, flagged.shape[0])
+    counts = torch.nn.functional.pad(flagged.long().cumsum(0), (0, 0) * (flagged.dim() - 1) + (1, 0))
+    return counts[hi] > counts[lo]
+
+
+def ranges_cover(lo: Tensor, hi: Tensor, flagged: Tensor, num_keys: int) -> Tensor:
+    """Per key ``j < num_keys``: whether some flagged row ``t`` has ``lo[t] <= j < hi[t]``.
+
+    ``lo``, ``hi``: ``[T]`` int (``lo >= hi`` is empty). ``flagged``: ``[T, ...]`` bool.
+    Returns ``[num_keys, ...]`` bool (a difference array: no ``[T, T_kv]`` matrix, no host sync).
+    """
+    lo, hi = _clamped(lo, hi, num_keys)
+    f = flagged.long()
+    diff = f.new_zeros((num_keys + 1, *f.shape[1:])).index_add_(0, lo, f).index_add_(0, hi, -f)
+    return diff.cumsum(0)[:num_keys] > 0

@@ -25,7 +25,10 @@ from cpkv.backends.reference.common import (
     acc_dtype,
     block_bounds,
     finite_or_zero,
+    finite_rows,
     probs,
+    ranges_cover,
+    ranges_hit,
     scale_or_default,
 )
 from cpkv.checks import check_cu_seqlens, check_positive_int, check_same, check_sinks, check_tensor_form
@@ -44,7 +47,10 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _range_scores(qb: Tensor, kb: Tensor, lo: Tensor, hi: Tensor, k0: int, scale: float) -> Tensor:
-    """Masked scaled scores [Bq, H_kv, G, Bk] of qb [Bq, H_kv, G, D] against keys k0 onwards."""
+    """Masked scaled scores [Bq, H_kv, G, Bk] of qb [Bq, H_kv, G, D] against keys k0 onwards.
+
+    The fill also drops the NaN scores of invisible pairs (a NaN query or key of another segment).
+    """
     j = torch.arange(k0, k0 + kb.shape[0], device=kb.device)
     visible = (j >= lo.unsqueeze(1)) & (j < hi.unsqueeze(1))
     s = torch.einsum("qhgd,khd->qhgk", qb, kb) * scale
@@ -66,11 +72,16 @@ def range_attention_op(
         ``(out [T_q, H, D_v] dtype of q, lse [T_q, H] fp32/fp64)``; differentiable w.r.t. q, k,
         v, sinks, also through lse.
 
+    Non-finite inputs stay where they belong, as in fused kernels: a NaN/inf query, key or
+    value reaches only the rows that see it (tiles spanning segments never multiply a masked
+    0 by it); rows that see nothing give out 0 (and lse -inf without sink).
+
     Raises:
         Nothing is validated (no host sync beyond the tile bounds); malformed input gives
         torch's indexing or shape errors.
     """
     qa, ka, va = _grouped(q, k, v)
+    va, bad_v = finite_rows(va)  # P @ V on finite values; rows that see a bad one are poisoned below
     out, lse = qa.new_zeros((*qa.shape[:3], v.shape[2])), qa.new_zeros(qa.shape[:3])
     lo, hi = lo.long(), hi.long()
     for t0, t1, k_lo, k_hi in block_bounds(lo, hi, block_size):
@@ -88,6 +99,7 @@ def range_attention_op(
             m = m_new
         lse[t0:t1] = m + torch.log(den)
         out[t0:t1] = num / torch.where(den > 0, den, 1.0).unsqueeze(-1)
+    out = out.masked_fill(ranges_hit(lo, hi, bad_v)[:, :, None, None], float("nan"))
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
@@ -118,18 +130,32 @@ def range_attention_backward_op(
     delta = (do * out.to(qa.dtype).reshape(shape)).sum(-1) - d_lse.to(qa.dtype).reshape(lse_g.shape)
     dq, dk, dv = torch.zeros_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
     lo, hi = lo.long(), hi.long()
+    # Non-finite isolation: tiles span segments, and an invisible pair has p = 0, but 0 * NaN is
+    # NaN. So the tile loop sees only finite operands (zeroed bad rows of q, k, v, dO; 0 for a
+    # NaN/+inf lse or delta, which keeps p exactly 0 off a bad row's range), and afterwards the
+    # gradients that depend on a bad row are poisoned with NaN, range by range (no per-tile work).
+    # Scores use the raw q, k: a NaN/inf score stays on its (bad row, visible key) pair.
+    (ka0, bad_k), (qa0, bad_q), (va0, bad_v), (do0, bad_do) = (finite_rows(x) for x in (ka, qa, va, do))
+    bad_lse, bad_delta = lse_g.isnan() | lse_g.isposinf(), ~delta.isfinite()
+    lse_0, delta_0 = lse_g.masked_fill(bad_lse, 0.0), delta.masked_fill(bad_delta, 0.0)
     for t0, t1, k_lo, k_hi in block_bounds(lo, hi, block_size):
         for k0 in range(max(k_lo, 0), k_hi, block_size):
             k1 = min(k0 + block_size, k_hi)
-            kb, vb = ka[k0:k1], va[k0:k1]
-            p = probs(_range_scores(qa[t0:t1], kb, lo[t0:t1], hi[t0:t1], k0, scale), lse_g[t0:t1])
-            dp = torch.einsum("qhgd,khd->qhgk", do[t0:t1], vb)
-            ds = p * (dp - delta[t0:t1].unsqueeze(-1)) * scale
+            kb, vb = ka0[k0:k1], va0[k0:k1]
+            p = probs(_range_scores(qa[t0:t1], ka[k0:k1], lo[t0:t1], hi[t0:t1], k0, scale), lse_0[t0:t1])
+            dp = torch.einsum("qhgd,khd->qhgk", do0[t0:t1], vb)
+            ds = p * (dp - delta_0[t0:t1].unsqueeze(-1)) * scale
             dq[t0:t1] += torch.einsum("qhgk,khd->qhgd", ds, kb)
-            dk[k0:k1] += torch.einsum("qhgk,qhgd->khd", ds, qa[t0:t1])
-            dv[k0:k1] += torch.einsum("qhgk,qhgd->khd", p, do[t0:t1])
+            dk[k0:k1] += torch.einsum("qhgk,qhgd->khd", ds, qa0[t0:t1])
+            dv[k0:k1] += torch.einsum("qhgk,qhgd->khd", p, do0[t0:t1])
+    nan, bad_row = float("nan"), bad_lse | bad_do  # rows whose p or dO is not finite
+    bad_dq = bad_row | bad_delta | (ranges_hit(lo, hi, bad_k) | ranges_hit(lo, hi, bad_v)).unsqueeze(-1)
+    dq = dq.masked_fill(bad_dq.unsqueeze(-1), nan)
+    bad_dk = ranges_cover(lo, hi, (bad_row | bad_delta | bad_q).any(-1), ka.shape[0])
+    dk = dk.masked_fill(bad_dk.unsqueeze(-1), nan)
+    dv = dv.masked_fill(ranges_cover(lo, hi, bad_row.any(-1), va.shape[0]).unsqueeze(-1), nan)
     dsinks = q.new_zeros(0)
-    if sinks is not None:  # p_sink = exp(sink - lse), finite since lse >= sink
+    if sinks is not None:  # p_sink = exp(sink - lse), finite since lse >= sink (NaN from a bad row)
         p_sink = torch.exp(sinks.to(qa.dtype).reshape(lse_g.shape[1:]) - lse_g)
         dsinks = -(p_sink * delta).sum(0).flatten().to(sinks.dtype)
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks

@@ -1,0 +1,150 @@
+"""The DeepSeek-V4-Flash section of gpu_check.py: cpkv's Triton sparse kernels at the real shapes.
+
+H = 64 query heads over one shared kv head of D = 512 (values: all 512 channels), K = 640
+entries per query (its 128-token window + 512 compressed entries), per-head sinks, bf16,
+T = 8K and 32K queries over ``N = T + T / 4`` kv rows (tokens, then the compressed entries).
+
+* Correctness (T = 8K): out, lse, dq, dkv, dsinks of ``cpkv_triton::sparse_attention``
+  (atomic dkv) against the fp64 reference op, bounded by the bf16 reference op's own error:
+  ``err <= 2 * err_reference_bf16 + 2**-8 * max|fp64|``; the indexer top-k (H_I = 64,
+  D_I = 128, top 512) against the reference op (the selected scores' sums must agree).
+* Determinism: ``deterministic=True`` dkv twice, bitwise.
+* Speed: forward, backward (atomic and deterministic dkv) ms and TFLOP/s over the gathered
+  rows (forward ``2*T*H*K*(D + d_v)``, backward ``2*T*H*K*(3*D + 2*d_v)``), the reference
+  ops' forward + backward and the speed-up; the indexer top-k ms.
+* ``cudnn`` (nvidia-cudnn-frontend): reported when importable (its DSA graphs are not run).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk
+from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
+from cpkv.backends.triton.ops import indexer_topk_op, sparse_attention_op
+
+H, D, DV, WINDOW, TOPK = 64, 512, 512, 128, 512
+HEADER = ["| T | check / phase | value | bound or reference | ok / TFLOP/s |", "|---|---|---|---|---|"]
+
+
+def _inputs(num_q: int, device: torch.device) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_kv = num_q + num_q // 4
+    pos = torch.arange(num_q, device=device)
+    window = pos[:, None] - torch.arange(WINDOW - 1, -1, -1, device=device)
+    window = torch.where(window >= 0, window, -1)
+    visible = (pos + 1) // 4  # compressed entries j < floor((t + 1) / 4), as in V4
+    picked = (torch.rand(num_q, TOPK, device=device, generator=gen) * visible[:, None]).long()
+    picked = torch.where(torch.arange(TOPK, device=device) < visible[:, None], num_q + picked, -1)
+    return {
+        "q": torch.randn(num_q, H, D, device=device, generator=gen).bfloat16(),
+        "kv": torch.randn(num_kv, D, device=device, generator=gen).bfloat16(),
+        "sinks": torch.randn(H, device=device, generator=gen),
+        "idx": torch.cat([window, picked], 1).int(),
+        "d_out": torch.randn(num_q, H, DV, device=device, generator=gen).bfloat16(),
+    }
+
+
+def _grads(fn: Callable[..., Any], x: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
+    leaves = [x[k].to(dtype).requires_grad_(True) for k in ("q", "kv", "sinks")]
+    out, lse = fn(*leaves, x["idx"])
+    torch.autograd.backward((out, lse), (x["d_out"].to(out.dtype), torch.zeros_like(lse)))
+    return [out.detach(), lse.detach()] + [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+
+def _triton(deterministic: bool) -> Callable[..., Any]:
+    return lambda q, kv, s, idx: sparse_attention_op(q, kv, idx, s, D**-0.5, DV, deterministic)
+
+
+def _reference(q: torch.Tensor, kv: torch.Tensor, s: torch.Tensor, idx: torch.Tensor) -> Any:
+    return ref_sparse(q, kv, idx, s, D**-0.5, DV, 256)
+
+
+def check(device: torch.device) -> tuple[list[str], bool]:
+    x = _inputs(8192, device)
+    exact = _grads(_reference, x, torch.float64)
+    low = _grads(_reference, x, torch.bfloat16)
+    got = _grads(_triton(False), x, torch.bfloat16)
+    rows, ok = [], True
+    for name, e, lo, g in zip(("out", "lse", "dq", "dkv", "dsinks"), exact, low, got):
+        err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
+        bound = 2 * ref_err + 2**-8 * float(e.abs().max())
+        ok &= err <= bound
+        rows.append(f"| 8K | {name} err vs fp64 | {err:.3e} | {bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
+    first, second = _grads(_triton(True), x, torch.bfloat16), _grads(_triton(True), x, torch.bfloat16)
+    same = all(torch.equal(a, b) for a, b in zip(first[2:], second[2:]))
+    ok &= same
+    rows.append(f"| 8K | deterministic dq/dkv/dsinks bitwise equal twice | {same} | | {'ok' if same else 'FAIL'} |")
+    qi, ki, w, start, end = _indexer_inputs(8192, device)
+    got_i, got_s = indexer_topk_op(qi, ki, w, start, end, TOPK, 4096)
+    want_i, want_s = ref_topk(qi, ki, w, start, end, TOPK, 1024)
+    diff = float((got_s.nan_to_num(neginf=0).sum(1) - want_s.nan_to_num(neginf=0).sum(1)).abs().max())
+    bound = 1e-3 * float(want_s.nan_to_num(neginf=0).sum(1).abs().max())
+    same_set = float((got_i.sort(1).values == want_i.sort(1).values).float().mean())
+    ok &= diff <= bound
+    rows.append(f"| 8K | indexer top-k: max diff of selected score sums | {diff:.3e} | {bound:.3e} (same index set: {same_set:.1%}) "
+                f"| {'ok' if diff <= bound else 'FAIL'} |")
+    return rows, ok
+
+
+def _indexer_inputs(num_q: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    qi = torch.randn(num_q, 64, 128, device=device, generator=gen).bfloat16()
+    ki = torch.randn(num_q // 4, 128, device=device, generator=gen).bfloat16()
+    w = torch.rand(num_q, 64, device=device, generator=gen) / 64
+    start = torch.zeros(num_q, dtype=torch.int64, device=device)
+    return qi, ki, w, start, (torch.arange(num_q, device=device) + 1) // 4
+
+
+def _ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(num_q: int, device: torch.device, reps: int, with_reference: bool) -> list[str]:
+    x = _inputs(num_q, device)
+    q, kv, s = (x[k].clone().requires_grad_(True) for k in ("q", "kv", "sinks"))
+    flops_f, flops_b = 2.0 * num_q * H * (WINDOW + TOPK) * (D + DV), 2.0 * num_q * H * (WINDOW + TOPK) * (3 * D + 2 * DV)
+    rows, t = [], {}
+
+    def fwd(fn: Callable[..., Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return fn(q, kv, s, x["idx"])
+        return run
+
+    def fwd_bwd(fn: Callable[..., Any]) -> Callable[[], Any]:
+        return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
+
+    size = f"{num_q // 1024}K"
+    t["fwd"] = _ms(fwd(_triton(False)), reps)
+    for mode, det in (("atomic", False), ("deterministic", True)):
+        t[mode] = _ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
+        rows.append(f"| {size} | backward ({mode} dkv) ms | {t[mode]:.2f} | | {flops_b / t[mode] / 1e9:.0f} |")
+    rows.insert(0, f"| {size} | forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |")
+    if with_reference:
+        ref = _ms(fwd_bwd(_reference), 1)
+        total = t["fwd"] + t["atomic"]
+        rows.append(f"| {size} | fwd+bwd ms, triton vs reference ops | {total:.2f} | {ref:.2f} | {ref / total:.1f}x speed-up |")
+    qi, ki, w, start, end = _indexer_inputs(num_q, device)
+    rows.append(f"| {size} | indexer top-{TOPK} ms (H_I=64, D_I=128) | "
+                f"{_ms(lambda: indexer_topk_op(qi, ki, w, start, end, TOPK, 4096), reps):.2f} | | |")
+    return rows
+
+
+def cudnn_note() -> str:
+    try:
+        import cudnn  # type: ignore[import-not-found]
+    except ImportError:
+        return "cudnn (nvidia-cudnn-frontend): not importable, no comparison."
+    return f"cudnn {getattr(cudnn, '__version__', '?')} importable; its DSA graphs are not run by this script."

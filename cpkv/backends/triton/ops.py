@@ -1,0 +1,321 @@
+"""The Triton kernels as ``torch.library`` custom ops (namespace ``cpkv_triton``), with fakes and autograd.
+
+* ``cpkv_triton::sparse_attention(q, kv, indices, sinks, scale, d_v, deterministic)`` ->
+  ``(out, lse)``, differentiable w.r.t. q, kv and sinks (also through ``lse``); its
+  backward is the op ``cpkv_triton::sparse_attention_backward``.
+* ``cpkv_triton::selected_probs(q, kv, indices, lse, scale)`` -> ``[T, K]`` (no autograd).
+* ``cpkv_triton::indexer_topk(q, k, weights, start, end, topk)`` -> ``(indices, scores)`` (no autograd).
+
+Semantics are those of the reference ops of the same name (:mod:`cpkv.backends.reference`),
+which are the tests' oracle. Nothing is validated here (the backend's plans were validated
+when built); the bodies are opaque to ``torch.compile``, so a layer calling them still
+compiles with ``fullgraph=True``. Inputs: fp16, bf16 or fp32 (fp32 accumulation; fp32
+dot products run in IEEE precision, not TF32), on a CUDA device, or on CPU when the kernels
+were imported under ``TRITON_INTERPRET=1``.
+
+dkv: by default the backward accumulates it with fp32 atomics from query-major programs
+(the summation order varies run to run). With ``deterministic=True`` the query-major pass
+skips dkv and a key-major pass over an inverted index (``kv`` row -> the query rows listing
+it, in (t, k) order) sums each row's terms in a fixed order: bitwise reproducible, slower.
+
+Shapes legend: ``T`` query tokens, ``H`` query heads, ``D`` query/key dim, ``d_v`` value dim
+(the first ``d_v`` channels of kv), ``N`` kv rows, ``K`` entries per query row, ``H_I``,
+``D_I`` indexer heads and dim, ``N_c`` indexer key rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["indexer_topk_op", "selected_probs_op", "sparse_attention_backward_op", "sparse_attention_op"]
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Tile sizes of one launch (powers of two, at least 16 where they feed ``tl.dot``)."""
+
+    h: int
+    k: int
+    d: int
+    dv: int
+    dc: int
+    warps: int
+
+
+def _pow2(n: int, low: int = 16) -> int:
+    return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _blocks(q: Tensor, d_v: int) -> _Blocks:
+    """GPU tiles (registers bound the fp32 accumulators), or whole-dim tiles for the CPU interpreter (fewer steps)."""
+    heads, dim = q.shape[1], q.shape[2]
+    if q.device.type == "cpu":  # TRITON_INTERPRET=1: numpy per tile op, so big tiles are fast
+        return _Blocks(_pow2(heads), 64, _pow2(dim), _pow2(d_v), _pow2(dim), 4)
+    return _Blocks(min(64, _pow2(heads)), 32, 64, min(256, _pow2(d_v)), min(128, _pow2(dim)), 8)
+
+
+def _prec(q: Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _kernels() -> Any:
+    from cpkv.backends.triton import kernels  # lazy: triton is imported only when a kernel runs
+
+    return kernels
+
+
+def _launch_fwd(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    out = q.new_zeros((num_q, heads, d_v))
+    if sinks is None:
+        lse = q.new_full((num_q, heads), NEG_INF, dtype=torch.float32)
+    else:
+        lse = sinks.to(torch.float32).expand(num_q, heads).contiguous()
+    if num_q == 0 or width == 0:
+        return out, lse
+    b = _blocks(q, d_v)
+    grid = (num_q, triton_cdiv(heads, b.h), triton_cdiv(d_v, b.dv))
+    _kernels().sparse_fwd_kernel[grid](
+        q, kv, idx, sinks if sinks is not None else lse, out, lse,
+        heads, dim, d_v, width,
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+        scale,
+        HAS_SINK=sinks is not None, BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, BLOCK_DV=b.dv, PREC=_prec(q),
+        num_warps=b.warps,
+    )
+    return out, lse
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints."""
+    return -(-a // b)
+
+
+def _prepare(q: Tensor, kv: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q with unit channel stride, kv contiguous, indices int32 contiguous."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return q, kv.contiguous(), indices.to(torch.int32).contiguous()
+
+
+@torch.library.custom_op("cpkv_triton::sparse_attention", mutates_args=())
+def sparse_attention_op(
+    q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor | None, scale: float, d_v: int, deterministic: bool
+) -> tuple[Tensor, Tensor]:
+    """Shared-KV sparse attention over the listed rows, with sinks (Triton).
+
+    Args:
+        q: [T, H, D] fp16/bf16/fp32. kv: [N, D], dtype of q. indices: [T, K] int in ``[-1, N)``
+            (-1 padding anywhere; duplicates count as separate keys). sinks: [H] float or None.
+        scale: score scale. d_v: value channels (``<= D``). deterministic: dkv without atomics
+            in the backward (the forward is the same).
+
+    Returns:
+        ``(out [T, H, d_v] dtype of q, lse [T, H] fp32)``: natural-log LSE including the sink;
+        a row without valid entry has out 0 and lse ``-inf`` (``sink`` with sinks).
+    """
+    q, kv, idx = _prepare(q, kv, indices)
+    return _launch_fwd(q, kv, idx, None if sinks is None else sinks.contiguous(), scale, d_v)
+
+
+@sparse_attention_op.register_fake
+def _(q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor | None, scale: float, d_v: int,
+      deterministic: bool) -> tuple[Tensor, Tensor]:
+    return q.new_empty((*q.shape[:2], d_v)), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def inverted_index(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """``(pair_t [P] int32, row_ptr [N + 1] int32)``: the query rows listing each kv row, in (t, k) order.
+
+    ``indices``: [T, K] int, -1 padded. ``P`` counts the valid entries (duplicates included).
+    A stable sort keeps each row's pairs in (t, k) order, so the key-major pass is deterministic.
+    """
+    flat = indices.reshape(-1).long()
+    key = torch.where(flat < 0, num_rows, flat)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_rows + 1)[:num_rows]
+    row_ptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    pair_t = (order // max(indices.shape[1], 1)).to(torch.int32)
+    return pair_t, row_ptr
+
+
+def _launch_bwd(
+    d_out: Tensor, q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, delta: Tensor, scale: float, d_v: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """(dq [T, H, D] fp32, dkv [N, D] fp32)."""
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    dq = torch.zeros((num_q, heads, dim), dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    if num_q == 0 or width == 0:
+        return dq, dkv
+    b, k = _blocks(q, d_v), _kernels()
+    grid = (num_q, triton_cdiv(heads, b.h), triton_cdiv(dim, b.dc))
+    k.sparse_bwd_kernel[grid](
+        q, kv, idx, d_out, lse, delta, dq, dkv,
+        heads, dim, d_v, width,
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), d_out.stride(0), d_out.stride(1),
+        scale,
+        ATOMIC_DKV=not deterministic, BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, BLOCK_DC=b.dc, PREC=_prec(q),
+        num_warps=b.warps,
+    )
+    if deterministic and kv.shape[0] > 0:
+        pair_t, row_ptr = inverted_index(idx, kv.shape[0])
+        block_h = _pow2(heads, 1)
+        block_p = max(1, (64 if q.device.type == "cpu" else 16) // block_h)
+        k.sparse_dkv_keymajor_kernel[(kv.shape[0], triton_cdiv(dim, b.dc))](
+            q, kv, d_out, lse, delta, pair_t, row_ptr, dkv,
+            heads, dim, d_v,
+            q.stride(0), q.stride(1), kv.stride(0), d_out.stride(0), d_out.stride(1),
+            scale,
+            BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_D=b.d, BLOCK_DC=b.dc, num_warps=4,
+        )
+    return dq, dkv
+
+
+@torch.library.custom_op("cpkv_triton::sparse_attention_backward", mutates_args=())
+def sparse_attention_backward_op(
+    d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+    sinks: Tensor | None, scale: float, d_v: int, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of ``cpkv_triton::sparse_attention`` (P recomputed from the saved LSE).
+
+    Args:
+        d_out: [T, H, d_v], d_lse: [T, H]: upstream gradients. out, lse: the forward's outputs.
+        q, kv, indices, sinks, scale, d_v, deterministic: the forward's inputs.
+
+    Returns:
+        ``(dq, dkv, dsinks)`` in the dtypes of q, kv, sinks; dsinks is ``[H]``, or ``[0]`` without sinks.
+    """
+    q, kv, idx = _prepare(q, kv, indices)
+    delta = ((d_out.float() * out.float()).sum(-1) - d_lse.float()).contiguous()
+    lse32 = lse.float().contiguous()
+    dq, dkv = _launch_bwd(d_out.contiguous(), q, kv, idx, lse32, delta, scale, d_v, deterministic)
+    dsinks = q.new_zeros(0)
+    if sinks is not None:
+        dsinks = -(torch.exp(sinks.float() - lse32) * delta).sum(0).to(sinks.dtype)
+    return dq.to(q.dtype), dkv.to(kv.dtype), dsinks
+
+
+@sparse_attention_backward_op.register_fake
+def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+      sinks: Tensor | None, scale: float, d_v: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), torch.empty_like(kv), dsinks
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, kv, indices, sinks, scale, d_v, deterministic = inputs
+    ctx.save_for_backward(q, kv, indices, *output, sinks)
+    ctx.scale, ctx.d_v, ctx.deterministic = scale, d_v, deterministic
+
+
+def _backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor | None, ...]:
+    q, kv, indices, out, lse, sinks = ctx.saved_tensors
+    dq, dkv, dsinks = sparse_attention_backward_op(
+        d_out, d_lse, q, kv, indices, out, lse, sinks, ctx.scale, ctx.d_v, ctx.deterministic
+    )
+    return dq, dkv, None, None if sinks is None else dsinks, None, None, None
+
+
+sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("cpkv_triton::selected_probs", mutates_args=())
+def selected_probs_op(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale: float) -> Tensor:
+    """Head-summed probabilities ``P[t, k] = sum_h exp(scale * q[t, h] . kv[indices[t, k]] - lse[t, h])``.
+
+    Args:
+        q: [T, H, D]. kv: [N, D]. indices: [T, K] int, -1 padded. lse: [T, H] (the sparse
+            attention's, sink included). scale: score scale.
+
+    Returns:
+        [T, K] fp32, 0 at padding. No autograd: pass detached inputs.
+    """
+    q, kv, idx = _prepare(q, kv, indices)
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    out = torch.zeros((num_q, width), dtype=torch.float32, device=q.device)
+    if num_q == 0 or width == 0:
+        return out
+    b = _blocks(q, kv.shape[1])
+    _kernels().selected_probs_kernel[(num_q, triton_cdiv(width, b.k))](
+        q, kv, idx, lse.float().contiguous(), out,
+        heads, dim, width,
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+        scale,
+        BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, PREC=_prec(q), num_warps=b.warps,
+    )
+    return out
+
+
+@selected_probs_op.register_fake
+def _(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale: float) -> Tensor:
+    return q.new_empty(indices.shape, dtype=torch.float32)
+
+
+def _indexer_scores(q: Tensor, k: Tensor, w: Tensor, start: Tensor, end: Tensor, j0: int, width: int) -> Tensor:
+    """[T, width] fp32 scores of entries ``j0 .. j0 + width - 1`` (-inf where not visible)."""
+    num_q, heads, dim = q.shape
+    out = torch.empty((num_q, width), dtype=torch.float32, device=q.device)
+    cpu = q.device.type == "cpu"
+    block_t, block_n = (64, 128) if cpu else (64, 64)
+    _kernels().indexer_scores_kernel[(triton_cdiv(num_q, block_t), triton_cdiv(width, block_n))](
+        q, k, w, start, end, out,
+        num_q, heads, dim, j0, width,
+        q.stride(0), q.stride(1), k.stride(0), w.stride(0),
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_DI=_pow2(dim), PREC=_prec(q), num_warps=4,
+    )
+    return out
+
+
+@torch.library.custom_op("cpkv_triton::indexer_topk", mutates_args=())
+def indexer_topk_op(
+    q: Tensor, k: Tensor, weights: Tensor, start: Tensor, end: Tensor, topk: int, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Top-k lightning-indexer entries: Triton scores per (query block, entry chunk), streaming merge.
+
+    Scores ``I[t, j] = sum_h weights[t, h] * relu(q[t, h] . k[j])`` come from
+    ``indexer_scores_kernel`` ``block_size`` entries at a time (never ``[T, H_I, N_c]``);
+    each chunk is merged into the running top-k by a stable descending sort, so ties go to
+    the earlier row (the running top-k holds only earlier rows, in order).
+
+    Args:
+        q: [T, H_I, D_I]. k: [N_c, D_I], dtype of q. weights: [T, H_I]. start, end: [T] int:
+            query ``t`` picks among rows ``[start[t], end[t])``. topk: entries per row.
+        block_size: queries per block and entries per chunk.
+
+    Returns:
+        ``(indices [T, topk] int64 -1 padded, scores [T, topk] fp32 -inf at padding)``, by
+        descending score. No autograd.
+    """
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k, weights = k.contiguous(), weights.contiguous()
+    start32, end32 = start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+    scores = torch.full((q.shape[0], topk), NEG_INF, dtype=torch.float32, device=q.device)
+    indices = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    for t0 in range(0, q.shape[0], block_size):
+        rows = slice(t0, t0 + block_size)
+        lo, hi = max(int(start[rows].min()), 0), int(end[rows].max())  # host sync (op body)
+        best_s, best_i = scores[rows], indices[rows]
+        for j0 in range(lo, hi, block_size):
+            width = min(block_size, hi - j0)
+            s = _indexer_scores(q[rows], k, weights[rows], start32[rows], end32[rows], j0, width)
+            j = torch.arange(j0, j0 + width, device=q.device)
+            merged, pos = torch.cat([best_s, s], 1).sort(dim=1, descending=True, stable=True)
+            best_s = merged[:, :topk]
+            best_i = torch.cat([best_i, torch.where(s > NEG_INF, j, -1)], 1).gather(1, pos[:, :topk])
+        scores[rows], indices[rows] = best_s, best_i
+    return indices, scores
+
+
+@indexer_topk_op.register_fake
+def _(q: Tensor, k: Tensor, weights: Tensor, start: Tensor, end: Tensor, topk: int,
+      block_size: int) -> tuple[Tensor, Tensor]:
+    shape = (q.shape[0], topk)
+    return q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.float32)

@@ -1,0 +1,174 @@
+"""Megatron-core's ``PackedSeqParams`` as a cpkv plan.
+
+Megatron describes a packed (THD) micro-batch with ``PackedSeqParams`` (megatron-core
+0.16: ``megatron.core.packed_seq_params``): global leading-zero ``cu_seqlens_q`` /
+``cu_seqlens_kv`` of the real tokens, and, when TransformerEngine's context parallelism
+needs it, ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded``: every document padded at its
+end to a multiple of ``2 * cp``, and the packed tensor laid out in those padded documents.
+TransformerEngine then shards per document in zigzag: rank ``r`` holds chunks ``r`` and
+``2cp-1-r`` of every padded document (``thd_get_partitioned_indices``), which is cpkv's
+``layout="zigzag"`` over the padded cu_seqlens.
+
+:func:`plan_from_packed_seq_params` returns that plan together with the rows of this
+rank's shard that hold real tokens (:class:`PackedPlan`); nothing here imports Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
+from cpkv.plan.attention import AttentionPlan, Layout, plan_attention
+from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.plan.sharding import check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_tnd_index
+
+__all__ = ["PackedPlan", "plan_from_packed_seq_params"]
+
+
+@dataclass(frozen=True, eq=False)
+class PackedPlan:
+    """A plan over Megatron's packed batch and the rows of this rank's shard that are real tokens.
+
+    Attributes:
+        plan: the :class:`~cpkv.AttentionPlan` of the batch as laid out in memory (over the
+            padded cu_seqlens when they are set); pass it to :func:`cpkv.attention_forward`.
+        cu_seqlens: ``[B + 1]`` the global leading-zero cu_seqlens the plan was made from
+            (``cu_seqlens_q_padded`` if set, else ``cu_seqlens_q``), on their device.
+        real_rows: ``[T_real_local]`` int64, ascending: the rows of this rank's ``[T/cp, ...]``
+            shard that hold real tokens (the others are TransformerEngine's per-document
+            padding; every row when nothing is padded). Select them with
+            ``out.index_select(0, real_rows)``, e.g. to mask the loss.
+    """
+
+    plan: AttentionPlan
+    cu_seqlens: Tensor
+    real_rows: Tensor
+
+
+def _cu_seqlens(params: object, field: str) -> Tensor | None:
+    """``params.<field>`` checked as leading-zero integer cu_seqlens, or ``None`` if unset."""
+    if not hasattr(params, field):
+        raise TypeError(f"params must have a {field!r} attribute like megatron.core.packed_seq_params.PackedSeqParams")
+    value = getattr(params, field)
+    if value is None:
+        return None
+    tensor = check_tensor(f"params.{field}", value)
+    check_int_dtype(f"params.{field}", tensor)
+    validate_cu_seqlens(tensor)
+    return tensor
+
+
+def _required_cu_seqlens(params: object, field: str) -> Tensor:
+    tensor = _cu_seqlens(params, field)
+    if tensor is None:
+        raise ValueError(f"params.{field} must be set (a [B + 1] integer tensor), got None")
+    return tensor
+
+
+def _same(q_field: str, kv_field: str, q: Tensor | None, kv: Tensor | None) -> None:
+    """Self-attention only: the kv cu_seqlens must equal the query ones (both unset counts as equal)."""
+    if q is None and kv is None:
+        return
+    if q is None or kv is None or q.shape != kv.shape or not torch.equal(q.long().cpu(), kv.long().cpu()):
+        shown = "None" if kv is None else kv.tolist()
+        raise ValueError(
+            f"params.{kv_field} must equal params.{q_field} (cpkv plans self-attention), got"
+            f" {q_field}={None if q is None else q.tolist()}, {kv_field}={shown}"
+        )
+
+
+def plan_from_packed_seq_params(
+    params: object, cp_size: int, cp_rank: int, *, layout: Layout | None = None, **plan_options: Any
+) -> PackedPlan:
+    """cpkv's plan for the micro-batch Megatron describes with ``PackedSeqParams``.
+
+    With ``cu_seqlens_q_padded`` set (TransformerEngine's THD context parallelism), the
+    batch is laid out in padded documents (lengths multiples of ``2 * cp_size``, real tokens
+    first, padding at each document's end) and sharded per document in zigzag (chunks ``r``
+    and ``2cp-1-r``): the plan is ``plan_attention(cu_seqlens_q_padded, ..., layout="zigzag")``
+    and ``real_rows`` names the shard's real tokens. Causal attention never lets a real token
+    see the padding after it, so real tokens' outputs equal the unpadded batch's. Without
+    padded cu_seqlens the plan is over ``cu_seqlens_q`` with the contiguous layout (rank
+    ``r`` holds packed tokens ``[r*T/cp, (r+1)*T/cp)``); pass ``layout="zigzag"`` for
+    TransformerEngine's zigzag over unpadded documents (what Megatron does at ``cp > 1``
+    when the padded cu_seqlens are unset).
+
+    Args:
+        params: a ``megatron.core.packed_seq_params.PackedSeqParams`` or any object with its
+            attributes: ``qkv_format == "thd"``; ``cu_seqlens_q``, ``cu_seqlens_kv``: ``[B + 1]``
+            int32/int64 global leading-zero cu_seqlens of the real tokens (equal: self-attention);
+            ``cu_seqlens_q_padded``, ``cu_seqlens_kv_padded``: ``[B + 1]`` or ``None`` (equal).
+            ``max_seqlen_*`` are not read. ``local_cp_size``, if present and set, must equal ``cp_size``.
+        cp_size, cp_rank: CP group size and this rank.
+        layout: ``None`` (default): ``"zigzag"`` with padded cu_seqlens, else ``"contiguous"``.
+        **plan_options: the other keyword options of :func:`cpkv.plan_attention`
+            (``exchange``, ``ring_degree``, ``compress_ratios``, ``windows``), passed through.
+
+    Returns:
+        :class:`PackedPlan`: ``plan``, ``cu_seqlens`` (what was planned) and ``real_rows``.
+
+    Shapes:
+        ``B`` documents, ``T`` packed tokens of all ranks (padding included), ``T/cp`` per rank.
+
+    Raises:
+        TypeError: a missing attribute, a non-tensor or non-integer cu_seqlens.
+        ValueError: ``qkv_format != "thd"``; kv cu_seqlens differing from the query ones (the
+            field is named); a padded document shorter than its real length, or not a
+            multiple of ``2 * cp_size`` with the zigzag layout; ``local_cp_size != cp_size``;
+            anything :func:`cpkv.plan_attention` rejects.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 8]),
+        ...     cu_seqlens_kv=torch.tensor([0, 3, 8]), cu_seqlens_q_padded=torch.tensor([0, 4, 12]),
+        ...     cu_seqlens_kv_padded=torch.tensor([0, 4, 12]), max_seqlen_q=5, max_seqlen_kv=5)
+        >>> packed = plan_from_packed_seq_params(params, 2, 1)
+        >>> packed.plan.layout, packed.real_rows.tolist()   # rank 1 holds rows 1, 2, 6, 7, 8, 9 (9 pads)
+        ('zigzag', [0, 1, 2, 3, 4])
+    """
+    check_rank("cp_rank", cp_rank, check_int("cp_size", cp_size, minimum=1))
+    qkv_format = getattr(params, "qkv_format", None)
+    if qkv_format != "thd":
+        raise ValueError(f"params.qkv_format must be 'thd' (packed documents), got {qkv_format!r}")
+    local_cp_size = getattr(params, "local_cp_size", None)
+    if local_cp_size is not None and local_cp_size != cp_size:
+        raise ValueError(f"params.local_cp_size={local_cp_size} differs from cp_size={cp_size}")
+    cu_q = _required_cu_seqlens(params, "cu_seqlens_q")
+    cu_kv = _required_cu_seqlens(params, "cu_seqlens_kv")
+    _same("cu_seqlens_q", "cu_seqlens_kv", cu_q, cu_kv)
+    cu_q_padded = _cu_seqlens(params, "cu_seqlens_q_padded", )
+    cu_kv_padded = _cu_seqlens(params, "cu_seqlens_kv_padded", )
+    _same("cu_seqlens_q_padded", "cu_seqlens_kv_padded", cu_q_padded, cu_kv_padded)
+    if layout is None:
+        layout = "contiguous" if cu_q_padded is None else "zigzag"
+    cu_seqlens = cu_q if cu_q_padded is None else cu_q_padded
+    real_len = cu_q.detach().to("cpu", torch.int64).diff()
+    if cu_q_padded is not None:
+        padded_len = cu_q_padded.detach().to("cpu", torch.int64).diff()
+        if padded_len.shape != real_len.shape or bool((padded_len < real_len).any()):
+            raise ValueError(
+                "params.cu_seqlens_q_padded must pad every document of cu_seqlens_q (same count, each"
+                f" padded length >= the real one), got cu_seqlens_q={cu_q.tolist()},"
+                f" cu_seqlens_q_padded={cu_q_padded.tolist()}"
+            )
+        if layout == "zigzag":
+            check_zigzag_tnd_lengths(cu_q_padded, cp_size)
+    plan = plan_attention(cu_seqlens, cp_size, cp_rank, layout=layout, **plan_options)
+    return PackedPlan(plan, cu_seqlens, _real_rows(cu_seqlens, real_len, plan))
+
+
+def _real_rows(cu_seqlens: Tensor, real_len: Tensor, plan: AttentionPlan) -> Tensor:
+    """Rows of the rank's shard whose token lies within its document's real (unpadded) length."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if plan.layout == "zigzag":
+        natural = zigzag_tnd_index(cu, plan.cp_size, plan.cp_rank)
+    else:
+        offset, local_len = contiguous_shard_range(plan.num_tokens, plan.cp_size, plan.cp_rank)
+        natural = torch.arange(offset, offset + local_len)
+    doc = torch.searchsorted(cu[1:], natural, right=True)
+    real = natural - cu[doc] < real_len[doc]
+    return torch.nonzero(real).flatten().to(cu_seqlens.device)

@@ -1,0 +1,80 @@
+"""A compressor declares how many earlier blocks it reads, and the need routes follow.
+
+An overlapping compressor (each entry also reads the previous block of its document) at
+ratios other than 4 must give the same layer under ``exchange="need"`` as under
+``"allgather"`` and as the single-process oracle, once the plan covers its reach
+(``prev_blocks={ratio: 1}``); a plan that does not cover it raises on every rank before any
+collective instead of computing a wrong entry. The documents straddle ranks so that a
+block's previous block lives on an earlier rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from cpkv.launch import spawn
+from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
+from cpkv.plan.sharding import shard_contiguous
+from cpkv.v4 import Compressor, V4Attention, V4Config, reference_forward
+
+LENGTHS = [3, 29, 2, 11, 21]  # 66 tokens (cp 2 and 3)
+RATIOS = [2, 3, 8]
+
+
+def _layer(ratio: int) -> V4Attention:
+    layer = V4Attention(V4Config(compress_ratio=ratio, window=6), seed=2).double()
+    torch.manual_seed(4)
+    c = layer.config
+    layer.compressor = Compressor(c.hidden, c.head_dim, ratio, rope_dim=c.rope_dim, rope_base=layer.rope_base, overlap=True).double()
+    return layer
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    return torch.randn(66, 64, generator=gen, dtype=torch.float64), torch.randn(66, 64, generator=gen, dtype=torch.float64)
+
+
+def reach_cases(rank: int, world: int) -> dict[str, Any]:
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x_all, g_all = _inputs()
+    results: dict[str, Any] = {}
+    for ratio in RATIOS:
+        layer = _layer(ratio)
+        for exchange in ("allgather", "need"):
+            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[ratio], windows=[6], prev_blocks={ratio: 1})
+            x = shard_contiguous(x_all, world, rank).clone().requires_grad_(True)
+            layer.zero_grad(set_to_none=True)
+            out = layer(x, plan, None).out
+            out.backward(shard_contiguous(g_all, world, rank))
+            assert x.grad is not None
+            results[f"{ratio}/{exchange}"] = (out.detach(), x.grad)
+        try:
+            layer(shard_contiguous(x_all, world, rank), plan_attention(cu, world, rank, exchange="need", compress_ratios=[ratio], windows=[6]), None)
+            results[f"{ratio}/unplanned"] = "no error"
+        except ValueError as err:
+            results[f"{ratio}/unplanned"] = str(err)
+    return results
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlapping_compressor_at_any_ratio_under_both_exchanges(world: int) -> None:
+    per_rank = spawn(reach_cases, world, timeout=180.0)
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x_all, g_all = _inputs()
+    for ratio in RATIOS:
+        layer = _layer(ratio)
+        x = x_all.clone().requires_grad_(True)
+        out = reference_forward(layer, x, cu).out
+        out.backward(g_all)
+        assert x.grad is not None
+        for exchange in ("allgather", "need"):
+            got_out = torch.cat([r[f"{ratio}/{exchange}"][0] for r in per_rank])
+            got_grad = torch.cat([r[f"{ratio}/{exchange}"][1] for r in per_rank])
+            # fp64 on both sides: only the order of sums differs.
+            torch.testing.assert_close(got_out, out.detach(), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(got_grad, x.grad, rtol=1e-10, atol=1e-12)
+        assert all(f"plan_attention(..., prev_blocks={{{ratio}: 1}})" in r[f"{ratio}/unplanned"] for r in per_rank)

@@ -1,0 +1,101 @@
+"""Indexer keys in the layer's key dtype: the same rounding everywhere, and the wire format.
+
+* ``round_index_keys`` against an independent quantizer (bf16 cast; fp8 e4m3 with
+  ``scale = amax / 448`` per key), straight-through gradient;
+* an INDEXER layer with bf16 and fp8 keys under both exchanges at cp 2 and 3 equals the
+  single-process oracle with the same key dtype (fp32: summation order only, <= 1e-5);
+* the need exchange sends the keys in that format: the bytes ``count_bytes`` sees for
+  ``exchange_index_keys`` are ``rows * D * 2`` (bf16) and ``rows * (D + 4)`` (fp8).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from cpkv.commstats import count_bytes
+from cpkv.index_keys import round_index_keys
+from cpkv.launch import spawn
+from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
+from cpkv.plan.sharding import shard_contiguous
+from cpkv.v4 import V4Attention, V4Config, reference_forward
+
+LENGTHS = [9, 40, 3, 20]  # 72 tokens
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def test_rounding_matches_an_independent_quantizer() -> None:
+    keys = torch.randn(6, 16) * torch.logspace(-3, 3, 6)[:, None]
+    keys[2] = 0.0
+    torch.testing.assert_close(round_index_keys(keys, torch.bfloat16), keys.bfloat16().float(), rtol=0, atol=0)
+    scale = keys.abs().amax(1, keepdim=True) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    expected = (keys / scale).to(torch.float8_e4m3fn).float() * scale
+    torch.testing.assert_close(round_index_keys(keys, torch.float8_e4m3fn), expected, rtol=0, atol=0)
+    assert float(((round_index_keys(keys, torch.float8_e4m3fn) - keys).abs() / keys.abs().amax(1, keepdim=True).clamp(min=1e-30)).max()) < 2**-3
+    assert round_index_keys(keys, None) is keys
+    leaf = keys.clone().requires_grad_(True)
+    round_index_keys(leaf, torch.float8_e4m3fn).mul(torch.arange(16.0)).sum().backward()
+    assert leaf.grad is not None and torch.equal(leaf.grad, torch.arange(16.0).expand(6, 16))
+
+
+def _layer(dtype: torch.dtype) -> V4Attention:
+    return V4Attention(V4Config(compress_ratio=4, window=8, topk=3, index_key_dtype=dtype), seed=3)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(72, 64, generator=gen), torch.randn(72, 64, generator=gen)
+
+
+def key_dtype_cases(rank: int, world: int) -> dict[str, Any]:
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x_all, g_all = _inputs()
+    results: dict[str, Any] = {}
+    for name, dtype in DTYPES.items():
+        layer = _layer(dtype)
+        for exchange in ("allgather", "need"):
+            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[4], windows=[8])
+            x = shard_contiguous(x_all, world, rank).clone().requires_grad_(True)
+            layer.zero_grad(set_to_none=True)
+            with count_bytes() as counter:
+                out = layer(x, plan, None, backend="reference").out
+                out.backward(shard_contiguous(g_all, world, rank))
+            grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+            key_rows = plan.compressed[4].entries.num_recv if exchange == "need" else 0
+            results[f"{name}/{exchange}"] = {
+                "out": out.detach(), "grad_x": x.grad, "params": grads,
+                "key_bytes": counter.by_op.get("exchange_index_keys", 0), "key_rows": key_rows,
+            }
+    return results
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_key_dtypes_are_exact_under_cp_and_travel_in_their_format(world: int) -> None:
+    per_rank = spawn(key_dtype_cases, world, timeout=180.0)
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x_all, g_all = _inputs()
+    for name, dtype in DTYPES.items():
+        layer = _layer(dtype)
+        x = x_all.clone().requires_grad_(True)
+        out = reference_forward(layer, x, cu).out
+        out.backward(g_all)
+        assert x.grad is not None
+        expected_params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        for exchange in ("allgather", "need"):
+            runs = [r[f"{name}/{exchange}"] for r in per_rank]
+            got = torch.cat([r["out"] for r in runs]).detach()
+            assert float((got - out.detach()).abs().max() / out.detach().abs().max()) <= 1e-5, (name, exchange)
+            got_grad = torch.cat([r["grad_x"] for r in runs])
+            assert float((got_grad - x.grad).abs().max() / x.grad.abs().max()) <= 1e-5, (name, exchange)
+            for param, grad in expected_params.items():
+                summed = torch.stack([r["params"][param] for r in runs]).sum(0)
+                assert float((summed - grad).abs().max() / grad.abs().max().clamp(min=1e-12)) <= 1e-5, (name, exchange, param)
+            row_bytes = 16 * 2 if name == "bf16" else 16 + 4  # index_head_dim 16
+            for r in runs:
+                assert r["key_bytes"] == r["key_rows"] * row_bytes, (name, exchange, r["key_bytes"], r["key_rows"])
+            if exchange == "need":
+                assert any(r["key_rows"] for r in runs), "some rank receives keys"
