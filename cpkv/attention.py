@@ -47,7 +47,8 @@ class AttentionSpec:
 
     Attributes:
         d_v: value channels: the first ``d_v`` channels of the shared kv.
-        compress_ratio: the layer's ratio; its :class:`LayerCompressMode` follows from it.
+        compress_ratio: the layer's ratio; its :class:`LayerCompressMode` follows from it unless
+            ``compress_mode`` says otherwise.
         window: sliding window ``W`` (own token plus ``W - 1`` earlier), ``None`` for dense
             causal (``NO_COMPRESS`` only).
         scale: softmax scale; ``None`` means ``1/sqrt(D)``.
@@ -59,6 +60,9 @@ class AttentionSpec:
             (``None``: the compute dtype; ``torch.float32``, ``torch.bfloat16``, or
             ``torch.float8_e4m3fn`` with one fp32 scale per key, as DeepSeek's indexer);
             :mod:`cpkv.index_keys`.
+        compress_mode: the layer's mode when it does not follow DeepSeek-V4's rule (an indexer
+            only at ratio 4): e.g. ``LayerCompressMode.INDEXER`` at ratio 8 or
+            ``COMPRESSOR_ONLY`` at ratio 4 (Hugging Face's config allows both).
     """
 
     d_v: int
@@ -68,10 +72,13 @@ class AttentionSpec:
     topk: int = 512
     indexer_loss: bool = True
     index_key_dtype: torch.dtype | None = None
+    compress_mode: LayerCompressMode | None = None
 
     @property
     def mode(self) -> LayerCompressMode:
-        """The layer's :class:`LayerCompressMode`."""
+        """The layer's :class:`LayerCompressMode`: ``compress_mode``, else from ``compress_ratio`` (4: INDEXER)."""
+        if self.compress_mode is not None:
+            return self.compress_mode
         return LayerCompressMode.from_compress_ratio(self.compress_ratio)
 
     def validate(self) -> None:
@@ -80,6 +87,14 @@ class AttentionSpec:
         check_int("spec.topk", self.topk, minimum=1)
         check_int("spec.compress_ratio", self.compress_ratio, minimum=0)
         check_index_key_dtype("spec.index_key_dtype", self.index_key_dtype)
+        if self.compress_mode is not None:
+            if not isinstance(self.compress_mode, LayerCompressMode):
+                raise TypeError(f"spec.compress_mode must be a LayerCompressMode or None, got {type(self.compress_mode).__name__}")
+            if self.compress_mode.compresses != (self.compress_ratio > 1):
+                raise ValueError(
+                    f"spec.compress_mode={self.compress_mode.name} does not fit spec.compress_ratio={self.compress_ratio}"
+                    " (compressed modes need a ratio > 1, NO_COMPRESS a ratio <= 1)"
+                )
         if not isinstance(self.indexer_loss, bool):
             raise TypeError(f"spec.indexer_loss must be a bool, got {type(self.indexer_loss).__name__}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))):

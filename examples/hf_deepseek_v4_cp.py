@@ -42,7 +42,8 @@ def build_model() -> Any:
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = DeepseekV4Model(config).eval()
+    model: Any = DeepseekV4Model(config)
+    model.eval()
     with torch.no_grad():  # HF initialises sinks and position biases to 0: make them matter
         for name, param in model.named_parameters():
             if name.endswith("sinks") or name.endswith("position_bias"):

@@ -69,3 +69,14 @@ def test_spec_mode_follows_ratio() -> None:
     assert AttentionSpec(d_v=8, compress_ratio=128).mode.name == "COMPRESSOR_ONLY"
     with pytest.raises(ValueError, match="spec.topk"):
         AttentionSpec(d_v=8, topk=0).validate()
+
+
+def test_spec_compress_mode_overrides_the_ratio_rule() -> None:
+    from cpkv.compress_mode import LayerCompressMode
+
+    assert AttentionSpec(d_v=8, compress_ratio=8, compress_mode=LayerCompressMode.INDEXER).mode is LayerCompressMode.INDEXER
+    assert AttentionSpec(d_v=8, compress_ratio=4, compress_mode=LayerCompressMode.COMPRESSOR_ONLY).mode.name == "COMPRESSOR_ONLY"
+    with pytest.raises(ValueError, match="spec.compress_mode=NO_COMPRESS does not fit spec.compress_ratio=4"):
+        AttentionSpec(d_v=8, compress_ratio=4, compress_mode=LayerCompressMode.NO_COMPRESS).validate()
+    with pytest.raises(TypeError, match="spec.compress_mode"):
+        AttentionSpec(d_v=8, compress_ratio=4, compress_mode="INDEXER").validate()  # type: ignore[arg-type]

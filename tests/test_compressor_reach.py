@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.compress_mode import LayerCompressMode
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.sharding import shard_contiguous
@@ -57,6 +58,45 @@ def reach_cases(rank: int, world: int) -> dict[str, Any]:
         except ValueError as err:
             results[f"{ratio}/unplanned"] = str(err)
     return results
+
+
+def mode_cases(rank: int, world: int) -> dict[str, Any]:
+    """A layer's declared mode at any ratio: INDEXER at ratio 8, COMPRESSOR_ONLY at ratio 4."""
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x_all, g_all = _inputs()
+    results: dict[str, Any] = {}
+    for name, config in MODE_CASES.items():
+        layer = V4Attention(config, seed=2).double()
+        for exchange in ("allgather", "need"):
+            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[config.compress_ratio], windows=[6])
+            x = shard_contiguous(x_all, world, rank).clone().requires_grad_(True)
+            out = layer(x, plan, None).out
+            out.backward(shard_contiguous(g_all, world, rank))
+            results[f"{name}/{exchange}"] = (out.detach(), x.grad)
+    return results
+
+
+MODE_CASES = {
+    "indexer8": V4Config(compress_ratio=8, window=6, topk=2, compress_mode=LayerCompressMode.INDEXER),
+    "compressor4": V4Config(compress_ratio=4, window=6, compress_mode=LayerCompressMode.COMPRESSOR_ONLY),
+}
+
+
+@pytest.mark.timeout(200)
+def test_declared_mode_at_any_ratio() -> None:
+    per_rank = spawn(mode_cases, 2, timeout=180.0)
+    cu = seqlens_to_cu_seqlens(LENGTHS)
+    x_all, g_all = _inputs()
+    for name, config in MODE_CASES.items():
+        layer = V4Attention(config, seed=2).double()
+        assert (layer.indexer is not None) == (name == "indexer8")
+        x = x_all.clone().requires_grad_(True)
+        out = reference_forward(layer, x, cu).out
+        out.backward(g_all)
+        assert x.grad is not None
+        for exchange in ("allgather", "need"):
+            torch.testing.assert_close(torch.cat([r[f"{name}/{exchange}"][0] for r in per_rank]), out.detach(), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(torch.cat([r[f"{name}/{exchange}"][1] for r in per_rank]), x.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.timeout(200)

@@ -7,6 +7,7 @@ prints the same tables. ``--smoke`` runs tiny sizes (used by the tests).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -16,12 +17,20 @@ from pathlib import Path
 import torch
 
 from cpkv.bench.balance import pad_for_zigzag, rank_work
-from cpkv.bench.planning import planning_times, random_documents
-from cpkv.bench.traffic import Dims, layer_traffic, lognormal_cu_seqlens
+from cpkv.bench.memory import LayerDims, layer_memory
+from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
+from cpkv.bench.traffic import Dims, Traffic, layer_traffic, lognormal_cu_seqlens, need_plan, physical_limit
 from cpkv.bench.walltime import ring_times, wall_times
 
 MODE_NAMES = {0: "NO_COMPRESS (window 128)", 4: "INDEXER (ratio 4)", 128: "COMPRESSOR_ONLY (ratio 128)"}
 TARGETS = {0: 1 / 1000, 4: 1 / 16, 128: 1 / 200}
+
+
+def _load() -> str:
+    try:
+        return ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -31,22 +40,62 @@ def _progress(done: int, total: int, label: str) -> None:
         print(file=sys.stderr)
 
 
+def _batch(scenario: str, total: int, mean_doc: int, seed: int) -> torch.Tensor:
+    return torch.tensor([0, total]) if scenario == "one document" else lognormal_cu_seqlens(total, mean_doc, seed=seed)
+
+
+def _need_rows(cu: torch.Tensor, cp: int, ratios: list[int], dims: Dims) -> dict[int, list[tuple[Traffic, int]]]:
+    """Per ratio, per rank: the need exchange's traffic and the forward physical limit (one plan per rank)."""
+    compressed = [r for r in ratios if r > 1]
+    out: dict[int, list[tuple[Traffic, int]]] = {r: [] for r in ratios}
+    for rank in range(cp):
+        plan = need_plan(cu, cp, rank, compressed, dims)
+        for ratio in ratios:
+            traffic = layer_traffic(cu, cp, rank, ratio, "need", dims, plan=plan)
+            out[ratio].append((traffic, physical_limit(cu, cp, rank, ratio, dims)))
+    return out
+
+
 def traffic_table(tokens_per_rank: int, cps: list[int], ratios: list[int], mean_doc: int, dims: Dims) -> list[dict[str, object]]:
-    """One row per (scenario, cp, ratio): bytes received per rank (max, mean) for both strategies."""
+    """One row per (scenario, cp, ratio): bytes received per rank for both strategies, and the physical limit."""
     rows: list[dict[str, object]] = []
-    jobs = [(s, cp, r) for s in ("one document", "log-normal docs") for cp in cps for r in ratios]
-    for i, (scenario, cp, ratio) in enumerate(jobs):
-        _progress(i, len(jobs), f"bytes: {scenario}, cp {cp}, ratio {ratio}")
-        total = tokens_per_rank * cp
-        cu = torch.tensor([0, total]) if scenario == "one document" else lognormal_cu_seqlens(total, mean_doc, seed=cp)
-        row: dict[str, object] = {"scenario": scenario, "cp": cp, "ratio": ratio}
-        for strategy in ("allgather", "need"):
-            counts = [layer_traffic(cu, cp, rank, ratio, strategy, dims) for rank in range(cp)]
-            received = [c[0] for c in counts]
-            row[f"{strategy}_max"], row[f"{strategy}_mean"] = max(received), sum(received) / cp
-            row[f"{strategy}_copied"] = max(c[1] for c in counts)
-        rows.append(row)
+    jobs = [(s, cp) for s in ("one document", "log-normal docs") for cp in cps]
+    for i, (scenario, cp) in enumerate(jobs):
+        _progress(i, len(jobs), f"bytes: {scenario}, cp {cp}")
+        cu = _batch(scenario, tokens_per_rank * cp, mean_doc, seed=cp)
+        need = _need_rows(cu, cp, ratios, dims)
+        for ratio in ratios:
+            row: dict[str, object] = {"scenario": scenario, "cp": cp, "ratio": ratio}
+            gathered = [layer_traffic(cu, cp, rank, ratio, "allgather", dims) for rank in range(cp)]
+            for strategy, counts in (("allgather", gathered), ("need", [t for t, _ in need[ratio]])):
+                received = [c.received for c in counts]
+                row[f"{strategy}_max"], row[f"{strategy}_mean"] = max(received), sum(received) / cp
+                row[f"{strategy}_fwd_max"] = max(c.forward for c in counts)
+                row[f"{strategy}_total"] = sum(received)
+                row[f"{strategy}_copied"] = max(c.copied for c in counts)
+            limits = [limit for _, limit in need[ratio]]
+            row["limit_fwd_max"], row["limit_total"] = max(limits), 2 * sum(limits)  # each row's gradient returns once
+            rows.append(row)
     _progress(len(jobs), len(jobs), "bytes: done")
+    return rows
+
+
+def scaling_table(tokens_per_rank: int, cps: list[int], ratios: list[int], mean_doc: int, seeds: int,
+                  dims: Dims) -> list[dict[str, object]]:
+    """Forward bytes of the busiest rank at growing cp: need exchange vs physical limit (packed: several seeds)."""
+    rows: list[dict[str, object]] = []
+    jobs = [(s, cp) for s in ("one document", "log-normal docs") for cp in cps]
+    for i, (scenario, cp) in enumerate(jobs):
+        _progress(i, len(jobs), f"scaling: {scenario}, cp {cp}")
+        runs = [_need_rows(_batch(scenario, tokens_per_rank * cp, mean_doc, seed=1000 * cp + k), cp, ratios, dims)
+                for k in range(1 if scenario == "one document" else seeds)]
+        for ratio in ratios:
+            need = [max(t.forward for t, _ in run[ratio]) for run in runs]
+            limit = [max(lim for _, lim in run[ratio]) for run in runs]
+            gathered = layer_traffic(_batch(scenario, tokens_per_rank * cp, mean_doc, 0), cp, 0, ratio, "allgather", dims)
+            rows.append({"scenario": scenario, "cp": cp, "ratio": ratio, "seeds": len(runs), "need": need,
+                         "limit": limit, "allgather": gathered.forward})
+    _progress(len(jobs), len(jobs), "scaling: done")
     return rows
 
 
@@ -91,34 +140,122 @@ def _balance_lines(balance: list[dict[str, object]], args: argparse.Namespace) -
     return lines
 
 
+def _ratio(value: float, limit: float) -> str:
+    return f"{value / limit:.3f}" if limit else ("at 0" if value == 0 else "inf")
+
+
+def _scaling_lines(scaling: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "", "## Scaling: forward bytes of the busiest rank vs the physical limit", "",
+        f"{args.tokens_per_rank:,} tokens per rank; packed documents log-normal (mean {args.mean_doc:,}), {args.seeds} seeds"
+        " (max and mean over seeds: the maximum is set by the longest document that straddles a boundary).", "",
+        "| scenario | cp | layer | need MiB max (mean) | limit MiB max (mean) | need / limit (worst seed) | need / allgather |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in scaling:
+        need, limit = [float(v) for v in row["need"]], [float(v) for v in row["limit"]]  # type: ignore[attr-defined]
+        worst = max((_n / _l if _l else (1.0 if _n == 0 else float("inf"))) for _n, _l in zip(need, limit))
+        lines.append(
+            f"| {row['scenario']} | {row['cp']} | {MODE_NAMES.get(int(str(row['ratio'])), row['ratio'])} |"
+            f" {_mib(max(need))} ({_mib(sum(need) / len(need))}) | {_mib(max(limit))} ({_mib(sum(limit) / len(limit))}) |"
+            f" {worst:.3f} | {max(need) / max(float(str(row['allgather'])), 1.0):.2e} |"
+        )
+    return lines
+
+
+def key_dtype_table(tokens_per_rank: int, cp: int) -> list[dict[str, object]]:
+    """INDEXER layer, one document, busiest rank, forward: need vs its limit and vs the all-gather, per key dtype."""
+    cu = torch.tensor([0, tokens_per_rank * cp])
+    gathered = max(layer_traffic(cu, cp, r, 4, "allgather", Dims()).forward for r in range(cp))
+    rows: list[dict[str, object]] = []
+    for key_dtype in ("float32", "bfloat16", "float8"):
+        dims = Dims(key_dtype=key_dtype)
+        need = [layer_traffic(cu, cp, r, 4, "need", dims).forward for r in range(cp)]
+        limits = [physical_limit(cu, cp, r, 4, dims) for r in range(cp)]
+        rows.append({"key_dtype": key_dtype, "need": max(need), "limit": max(limits), "allgather": gathered})
+    return rows
+
+
+def _key_dtype_lines(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "", "## Indexer keys on the wire (`AttentionSpec.index_key_dtype`)", "",
+        f"INDEXER layer (ratio 4), one document, cp {args.key_cp}, {args.tokens_per_rank:,} tokens per rank, busiest rank,"
+        " forward bytes received, as a fraction of MindSpeed's all-gather of kv and hidden states. float8 is e4m3 with"
+        " one fp32 scale per key (D + 4 bytes a key).", "",
+        "| key dtype | need MiB | limit MiB | need / limit | need / allgather | limit / allgather |", "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        need, limit, gathered = (float(str(row[k])) for k in ("need", "limit", "allgather"))
+        lines.append(
+            f"| {row['key_dtype']} | {_mib(need)} | {_mib(limit)} | {_ratio(need, limit)} | {need / gathered:.2e} |"
+            f" {limit / gathered:.2e} |"
+        )
+    return lines
+
+
+def _memory_lines(memory: dict[str, tuple[int, int]]) -> list[str]:
+    d = LayerDims()
+    lines = [
+        "", "## Bytes copied and peak memory of one layer (forward + backward, CPU)", "",
+        f"V4-Flash proportions at a smaller scale: hidden {d.hidden}, kv {d.head_dim}, indexer keys {d.index_head_dim},"
+        f" window {d.window}, fp32, cp {d.cp}, one document of {d.cp * d.tokens_per_rank:,} tokens, last rank, one process"
+        " in a fake process group (`cpkv/bench/memory.py`). Copies: bytes written by copying aten ops (`cat`,"
+        " `index_select`, `clone`, `copy_`, `_to_copy`). Peak: most bytes of storages created by aten ops alive at once"
+        " (a dispatch mode tracking each output storage by weak reference), on top of the parameters, input and plan.", "",
+        "| layer | copied MiB allgather / need | peak MiB allgather / need |", "|---|---|---|",
+    ]
+    for ratio in sorted({int(k.split("/")[0]) for k in memory}):
+        (ca, pa), (cn, pn) = memory[f"{ratio}/allgather"], memory[f"{ratio}/need"]
+        lines.append(f"| {MODE_NAMES.get(ratio, ratio)} | {_mib(ca)} / {_mib(cn)} | {_mib(pa)} / {_mib(pn)} |")
+    return lines
+
+
 def render(traffic: list[dict[str, object]], planning: tuple[float, float, float], walls: dict[str, float],
            args: argparse.Namespace, balance: list[dict[str, object]] | None = None,
-           rings: dict[str, float] | None = None) -> str:
+           rings: dict[str, float] | None = None, scaling: list[dict[str, object]] | None = None,
+           memory: dict[str, tuple[int, int]] | None = None,
+           plans: dict[str, dict[str, tuple[float, float]]] | None = None,
+           keys: list[dict[str, object]] | None = None) -> str:
     """The markdown report."""
+    dims_key = Dims().key_dtype
     lines = [
         "# Benchmarks", "",
         f"Measured {date.today().isoformat()} by `python -m cpkv.bench` on {platform.machine()},"
-        f" {torch.get_num_threads()} CPU threads, torch {torch.__version__} (a small shared machine: read ratios, not absolutes).", "",
-        "## Bytes received per rank per layer (forward + backward)", "",
+        f" {torch.get_num_threads()} CPU threads, torch {torch.__version__} (a small shared machine: read ratios, not absolutes;"
+        f" load average {_load()} while running).", "",
+        "## Bytes received per rank per layer", "",
         f"DeepSeek-V4-Flash dimensions (hidden 4096, one shared kv head of 512, indexer keys 128, window 128, bf16),"
         f" {args.tokens_per_rank:,} tokens per rank. Counted on the real collective calls of the exchange code"
         " (`gather_from_sp_cp` / `exchange_rows`) run on meta tensors of the true sizes in a fake process group;"
         " `allgather` is MindSpeed's scheme (kv, plus hidden states for compressed layers, gathered; prefix"
         " re-compressed on every rank). MiB; max and mean over ranks; `need/allgather` compares the busiest ranks.", "",
-        "| scenario | cp | layer | allgather max | allgather mean | need max | need mean | need/allgather | target | prefix copy MiB (allgather / need) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "`limit` is the physical minimum, computed from the document lengths and the layer's reach alone"
+        " (`physical_limit` in `cpkv/bench/traffic.py`, independent of the exchange code): the W-1 kv rows before the"
+        f" rank's first token within its document, plus for compressed layers the entries of that document owned by"
+        f" earlier ranks, their indexer keys ({dims_key} on the wire, as the exchange sends them today) and the hidden"
+        " rows the block straddling the boundary reads. `fwd busiest` = forward bytes of the busiest rank;"
+        " `fwd+bwd all` = forward + backward summed over ranks (the limit counts each forward row's gradient once).", "",
+        "| scenario | cp | layer | allgather max | need max | need mean | need/allgather | target |"
+        " fwd busiest: need / limit MiB | ratio | fwd+bwd all: need / limit MiB | ratio | prefix copy MiB (allgather / need) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in traffic:
         ratio = int(str(row["ratio"]))
         share = float(str(row["need_max"])) / max(float(str(row["allgather_max"])), 1.0)
         target = TARGETS.get(ratio, 1.0)
         verdict = "met" if share <= target else "MISSED"
+        fwd, fwd_limit = float(str(row["need_fwd_max"])), float(str(row["limit_fwd_max"]))
+        both, both_limit = float(str(row["need_total"])), float(str(row["limit_total"]))
         lines.append(
             f"| {row['scenario']} | {row['cp']} | {MODE_NAMES.get(ratio, ratio)} | {_mib(row['allgather_max'])} |"
-            f" {_mib(row['allgather_mean'])} | {_mib(row['need_max'])} | {_mib(row['need_mean'])} | {share:.2e} |"
+            f" {_mib(row['need_max'])} | {_mib(row['need_mean'])} | {share:.2e} |"
             f" <= {target:.2e} ({verdict if row['cp'] == 8 else 'cp 8 only'}) |"
-            f" {_mib(row['allgather_copied'])} / {_mib(row['need_copied'])} |"
+            f" {_mib(fwd)} / {_mib(fwd_limit)} | {_ratio(fwd, fwd_limit)} | {_mib(both)} / {_mib(both_limit)} |"
+            f" {_ratio(both, both_limit)} | {_mib(row['allgather_copied'])} / {_mib(row['need_copied'])} |"
         )
+    lines += _key_dtype_lines(keys, args) if keys else []
+    lines += _scaling_lines(scaling, args) if scaling else []
+    lines += _memory_lines(memory) if memory else []
     lines += _balance_lines(balance or [], args) if balance else []
     vec, host_loop, tensor_loop = planning
     lines += [
@@ -130,6 +267,19 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
         f"| loop over a host list of ints | {host_loop * 1e3:.2f} | {host_loop / vec:.1f}x |",
         f"| loop over the cu_seqlens tensor | {tensor_loop * 1e3:.2f} | {tensor_loop / vec:.1f}x |",
     ]
+    if plans:
+        lines += [
+            "", f"Per rank, one thread (`torch.set_num_threads(1)`), slowest rank of cp {args.plan_cp}, best of"
+            f" {args.plan_repeats}: MindSpeed's per-document loop `_compute_prefix_kv_cu_seqlens` (re-typed in"
+            " `cpkv/bench/planning.py` from its documented behaviour: prefix segments only) next to the whole"
+            " DeepSeek-V4 plan (`plan_attention(..., compress_ratios=[4, 128], windows=[128, None])`). wall ms / CPU ms"
+            " of the planning thread (the machine is shared: wall includes waiting for a core).", "",
+            "| batch | MindSpeed loop | `compute_prefix_kv_cu_seqlens` | `plan_attention` allgather | `plan_attention` need |",
+            "|---|---|---|---|---|",
+        ]
+        for batch, times in plans.items():
+            cells = " | ".join(f"{times[k][0] * 1e3:.2f} / {times[k][1] * 1e3:.2f}" for k in ("mindspeed", "prefix", "allgather", "need"))
+            lines.append(f"| {batch} | {cells} |")
     if walls:
         lines += [
             "", "## Wall time, forward + backward, CPU gloo", "",
@@ -200,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-cp", type=int, default=8)
     parser.add_argument("--wall-cp", type=int, default=4)
     parser.add_argument("--wall-tokens", type=int, default=4096)
+    parser.add_argument("--scaling-cps", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the packed batch in the scaling table")
+    parser.add_argument("--key-cp", type=int, default=8, help="cp of the indexer key-dtype table")
+    parser.add_argument("--plan-repeats", type=int, default=5)
     parser.add_argument("--skip-wall", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
@@ -207,10 +361,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens_per_rank, args.cps, args.mean_doc, args.plan_docs, args.wall_tokens = 512, [2, 3], 64, 256, 192
+        args.scaling_cps, args.seeds, args.plan_repeats, args.key_cp = [4], 2, 1, 2
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
     print("planning ...", file=sys.stderr)
     planning = planning_times(random_documents(args.plan_docs, args.plan_cp, seed=0), args.plan_cp)
+    total = args.tokens_per_rank * args.plan_cp
+    batches = {
+        f"one document of {total:,} tokens": torch.tensor([0, total]),
+        f"log-normal documents (mean {args.mean_doc:,}), {total:,} tokens": lognormal_cu_seqlens(total, args.mean_doc, seed=8),
+        f"{args.plan_docs:,} documents of 1-256 tokens": random_documents(args.plan_docs, args.plan_cp, seed=0),
+    }
+    plans = {name: attention_planning_times(cu, args.plan_cp, args.plan_repeats) for name, cu in batches.items()}
+    print("key dtypes ...", file=sys.stderr)
+    keys = key_dtype_table(args.tokens_per_rank, args.key_cp)
+    print("scaling ...", file=sys.stderr)
+    scaling = scaling_table(args.tokens_per_rank, args.scaling_cps, args.ratios, args.mean_doc, args.seeds, Dims())
+    print("copies and peak memory ...", file=sys.stderr)
+    memory = {f"{r}/{e}": layer_memory(r, e, LayerDims(tokens_per_rank=64, hidden=128, head_dim=32) if args.smoke else LayerDims())
+              for r in args.ratios for e in ("allgather", "need")}
     walls: dict[str, float] = {}
     if not args.skip_wall:
         print(f"wall time at cp {args.wall_cp} ...", file=sys.stderr)
@@ -225,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         rings = ring_times(long_docs, args.wall_cp, [1, 2, 4])
     print("load balance ...", file=sys.stderr)
     balance = balance_table(args.tokens_per_rank, sorted({2, 3, 4, 8} | set(args.cps)), args.mean_doc)
-    report = render(traffic, planning, walls, args, balance, rings)
+    report = render(traffic, planning, walls, args, balance, rings, scaling, memory, plans, keys)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"

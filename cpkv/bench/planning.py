@@ -1,13 +1,14 @@
-"""Planning time: the vectorised planner against a straightforward per-document loop."""
+"""Planning time: the vectorised planners against per-document loops (MindSpeed's among them)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
+from cpkv.plan.attention import plan_attention
 from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens
 
 
@@ -70,3 +71,69 @@ def random_documents(num_docs: int, cp: int, seed: int) -> Tensor:
     lengths = torch.randint(1, 257, (num_docs,), generator=gen)
     lengths[-1] += -int(lengths.sum()) % cp
     return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+
+
+def mindspeed_prefix_kv_cu_seqlens(actual_seq_len: list[int], cp_size: int, cp_rank: int) -> tuple[list[int], list[int]]:
+    """MindSpeed's per-document loop (``_compute_prefix_kv_cu_seqlens``), re-typed from its documented behaviour.
+
+    Walks the documents (Ascend ``actual_seq_len``: cumulative ends, no leading 0) and, for
+    each one overlapping the rank's contiguous range, appends the query and kv prefix
+    segment ends: ``(actual_seq_qlen, actual_seq_kvlen)`` of the rank.
+    """
+    local = actual_seq_len[-1] // cp_size
+    a, b = cp_rank * local, (cp_rank + 1) * local
+    q_ends: list[int] = []
+    kv_ends: list[int] = []
+    start = 0
+    for end in actual_seq_len:
+        if end > a and start < b and end > start:
+            q_ends.append((q_ends[-1] if q_ends else 0) + min(end, b) - max(start, a))
+            kv_ends.append((kv_ends[-1] if kv_ends else 0) + min(end, b) - start)
+        start = end
+    return q_ends, kv_ends
+
+
+def per_rank_times(plan: Callable[[int], object], cp: int, repeats: int = 3) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of the slowest rank's plan, best of ``repeats``, on one thread.
+
+    ``cpu`` is this thread's CPU time (``time.thread_time``): on a machine loaded by others
+    the wall time also holds the time the thread waited for a core.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        wall, cpu = 0.0, 0.0
+        for rank in range(cp):
+            best_wall, best_cpu = float("inf"), float("inf")
+            for _ in range(repeats):
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                plan(rank)
+                best_cpu = min(best_cpu, time.thread_time() - start_cpu)
+                best_wall = min(best_wall, time.perf_counter() - start)
+            wall, cpu = max(wall, best_wall), max(cpu, best_cpu)
+        return wall, cpu
+    finally:
+        torch.set_num_threads(threads)
+
+
+def attention_planning_times(cu: Tensor, cp: int, repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """Per planner, ``(wall, cpu)`` seconds of the slowest rank on one thread (see :func:`per_rank_times`).
+
+    Planners: MindSpeed's loop (prefix segments only), :func:`compute_prefix_kv_cu_seqlens`,
+    and :func:`plan_attention` for DeepSeek-V4 (ratios 4 and 128, windows 128 and dense) with
+    each exchange.
+    """
+    ends = cu[1:].tolist()
+    local = int(cu[-1]) // cp
+    v4 = {"compress_ratios": [4, 128], "windows": [128, None]}
+    for rank in range(cp):
+        mine = mindspeed_prefix_kv_cu_seqlens(ends, cp, rank)
+        plan = compute_prefix_kv_cu_seqlens(cu, rank * local, local)
+        if mine != (list(plan.actual_seq_qlen), list(plan.actual_seq_kvlen)):
+            raise RuntimeError(f"MindSpeed's loop and the planner disagree on rank {rank}")
+    return {
+        "mindspeed": per_rank_times(lambda r: mindspeed_prefix_kv_cu_seqlens(ends, cp, r), cp, repeats),
+        "prefix": per_rank_times(lambda r: compute_prefix_kv_cu_seqlens(cu, r * local, local), cp, repeats),
+        "allgather": per_rank_times(lambda r: plan_attention(cu, cp, r, **v4), cp, repeats),  # type: ignore[arg-type]
+        "need": per_rank_times(lambda r: plan_attention(cu, cp, r, exchange="need", **v4), cp, repeats),  # type: ignore[arg-type]
+    }

@@ -235,9 +235,11 @@ def deepseek_v4_plan_options(config: Any) -> DeepseekV4PlanOptions:
 def deepseek_v4_spec(module: Any, *, indexer_loss: bool = False) -> AttentionSpec:
     """The :class:`~cpkv.attention.AttentionSpec` of a ``DeepseekV4Attention``.
 
+    The layer type fixes the mode (``compress_mode``), whatever its compress rate: a CSA layer
+    is INDEXER and an HCA layer COMPRESSOR_ONLY at any rate.
+
     Raises:
-        NotImplementedError: a CSA layer at a ratio other than 4 or an HCA layer at ratio 4,
-            while cpkv derives the mode from the ratio (no ``mode`` field on ``AttentionSpec``).
+        ValueError: an unknown ``layer_type``.
     """
     config, layer_type = module.config, module.layer_type
     ratio = 0 if module.compressor is None else int(module.compressor.compress_rate)
@@ -247,14 +249,8 @@ def deepseek_v4_spec(module: Any, *, indexer_loss: bool = False) -> AttentionSpe
     options: dict[str, Any] = dict(
         d_v=int(module.head_dim), compress_ratio=ratio, window=int(module.sliding_window),
         scale=float(module.scaling), topk=int(config.index_topk), indexer_loss=indexer_loss,
+        compress_mode=wanted[layer_type],
     )
-    if "mode" in {f.name for f in dataclasses.fields(AttentionSpec)}:
-        options["mode"] = wanted[layer_type]
-    elif LayerCompressMode.from_compress_ratio(ratio) is not wanted[layer_type]:
-        raise NotImplementedError(
-            f"a {layer_type} layer at compress rate {ratio} is {wanted[layer_type].name}, but cpkv derives"
-            f" {LayerCompressMode.from_compress_ratio(ratio).name} from that rate (INDEXER only at 4)"
-        )
     return AttentionSpec(**options)
 
 
@@ -317,8 +313,7 @@ def deepseek_v4_attention_forward(
     Raises:
         TypeError, ValueError: a module that is no ``DeepseekV4Attention``, wrong shapes,
             dtype or device, a plan without the layer's ratio or window.
-        NotImplementedError: a mode cpkv cannot express (:func:`deepseek_v4_spec`) or a
-            sequence-length-dependent rope type.
+        NotImplementedError: a sequence-length-dependent rope type.
 
     Example:
         >>> plan = plan_attention(cu_seqlens, cp, rank, **deepseek_v4_plan_options(config))  # doctest: +SKIP

@@ -23,7 +23,7 @@ from cpkv.v4.rope import apply_rope
 class V4Config:
     """Dimensions of the small V4-style layer (defaults: hidden 64, 4 heads of 32, rope 8).
 
-    ``compress_ratio`` picks the mode (0/1: NO_COMPRESS, 4: INDEXER, other > 1:
+    ``compress_ratio`` picks the mode unless ``compress_mode`` is given (0/1: NO_COMPRESS, 4: INDEXER, other > 1:
     COMPRESSOR_ONLY). Compressed layers use ``compress_rope_base`` (V4 uses a different
     base for them). ``window=None`` gives dense causal attention (NO_COMPRESS only).
     """
@@ -41,6 +41,7 @@ class V4Config:
     compress_rope_base: float = 160000.0
     sinks: bool = True
     index_key_dtype: torch.dtype | None = None
+    compress_mode: LayerCompressMode | None = None
 
     @property
     def d_v(self) -> int:
@@ -49,15 +50,15 @@ class V4Config:
 
     @property
     def mode(self) -> LayerCompressMode:
-        """The layer's compress mode."""
-        return LayerCompressMode.from_compress_ratio(self.compress_ratio)
+        """The layer's compress mode: ``compress_mode``, else from the ratio."""
+        return self.spec.mode
 
     @property
     def spec(self) -> AttentionSpec:
         """The :class:`AttentionSpec` the pipeline runs with."""
         return AttentionSpec(
             d_v=self.d_v, compress_ratio=self.compress_ratio, window=self.window, topk=self.topk,
-            index_key_dtype=self.index_key_dtype,
+            index_key_dtype=self.index_key_dtype, compress_mode=self.compress_mode,
         )
 
 
@@ -87,7 +88,8 @@ class V4Attention(nn.Module):
             if c.mode.compresses else None
         )
         self.indexer = (
-            Indexer(c.hidden, c.index_heads, c.index_head_dim, rope_dim=c.rope_dim, rope_base=self.rope_base)
+            Indexer(c.hidden, c.index_heads, c.index_head_dim, rope_dim=c.rope_dim, rope_base=self.rope_base,
+                    ratio=c.compress_ratio)
             if c.mode is LayerCompressMode.INDEXER else None
         )
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cpkv.bench.__main__ import main
-from cpkv.bench.planning import loop_plan, planning_times, random_documents, tensor_loop_plan
-from cpkv.bench.traffic import Dims, layer_traffic
+from cpkv.bench.planning import attention_planning_times, loop_plan, planning_times, random_documents, tensor_loop_plan
+from cpkv.bench.traffic import Dims, layer_traffic, physical_limit
 from cpkv.bench.walltime import largest_round_rows
 from cpkv.commstats import count_bytes
 from cpkv.launch import spawn
@@ -65,6 +65,22 @@ def test_smoke_run_writes_report_and_plot(tmp_path: Path, capsys: Any) -> None:
     text = out.read_text()
     assert "## Bytes received per rank per layer" in text and "## Planning time" in text and "## Wall time" in text
     assert "| one document | 3 | INDEXER (ratio 4) |" in text
+    assert "## Scaling" in text and "## Bytes copied and peak memory" in text and "MindSpeed loop" in text
+
+
+def test_traffic_is_at_the_physical_limit_computed_from_document_lengths() -> None:
+    """The need exchange moves exactly the independent minimum when keys travel as the limit assumes (fp32 today)."""
+    cu = seqlens_to_cu_seqlens([300, 5, 700, 19, 0, 256], dtype=torch.int64)  # 1280 tokens
+    for ratio in (0, 4, 8):
+        counts = [layer_traffic(cu, 4, rank, ratio, "need", SMALL) for rank in range(4)]
+        assert [c.forward for c in counts] == [physical_limit(cu, 4, rank, ratio, SMALL) for rank in range(4)], ratio
+        assert sum(c.received for c in counts) == 2 * sum(c.forward for c in counts)  # each row's gradient returns
+
+
+def test_mindspeed_loop_matches_the_planner() -> None:
+    cu = random_documents(64, 4, seed=5)
+    times = attention_planning_times(cu, 4, repeats=1)
+    assert set(times) == {"mindspeed", "prefix", "allgather", "need"} and all(w > 0 for w, _ in times.values())
 
 
 def test_ring_rounds_split_the_halo() -> None:

@@ -38,10 +38,11 @@ from cpkv.plan.sharding import shard_contiguous, shard_zigzag_tnd, unshard_zigza
 
 HIDDEN, WINDOW = 64, 8
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
-# 96 tokens (divisible by cp 1-4). At cp 4 (24 tokens a rank) the 41-token document spans
-# ranks 0 and 1 with a ratio-4 block at rows 21-24 straddling them, and the CSA entry of the
-# block at rows 25-28 reads that block's first half on rank 0.
-LENGTHS = [5, 0, 41, 3, 2, 30, 0, 1, 14]
+# 96 tokens (divisible by cp 1-4). At cp 4 (24 tokens a rank) the 52-token document (rows
+# 5-56) spans ranks 0-2, its ratio-4 block at rows 21-24 straddles ranks 0 and 1, and the CSA
+# entry of the block at rows 25-28 reads that block's first half on rank 0. Documents of 3, 2
+# and 1 tokens are shorter than a block; the 14-token one holds no ratio-16 block.
+LENGTHS = [5, 0, 52, 3, 2, 19, 0, 1, 14]
 ZIGZAG_LENGTHS = [48, 0, 24, 24]  # multiples of 2*cp for cp 1-4
 RUNS = [("contiguous", "allgather"), ("contiguous", "need"), ("zigzag", "allgather")]
 REL_LIFTED, REL_SHIPPED = 1e-10, 1e-5
@@ -66,7 +67,7 @@ def _layer(index: int, *, ties: bool = False) -> Any:
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
     torch.manual_seed(100 + index)
-    layer = DeepseekV4Attention(_config(), index).double()
+    layer: Any = DeepseekV4Attention(_config(), index).double()
     with torch.no_grad():
         for name, param in layer.named_parameters():
             if name.endswith("norm.weight"):
@@ -93,7 +94,7 @@ def _grads(layer: Any) -> dict[str, torch.Tensor | None]:
 
 
 def _cp_case(
-    rank: int, world: int, group: Any, index: int, layout: str, exchange: str, *, ties: bool, indexer_loss: bool
+    rank: int, world: int, group: Any, index: int, layout: Any, exchange: Any, *, ties: bool, indexer_loss: bool
 ) -> dict[str, Any]:
     from cpkv.integrations.transformers import deepseek_v4_attention_forward, deepseek_v4_plan_options
 
@@ -108,7 +109,7 @@ def _cp_case(
 
     x_local = shard(x).clone().requires_grad_(True)
     out = deepseek_v4_attention_forward(layer, x_local, plan, group, backend="reference", indexer_loss=indexer_loss)
-    out.backward(shard(grad_out))
+    out.backward(shard(grad_out))  # type: ignore[no-untyped-call]
     return {"out": out.detach(), "grad_x": x_local.grad, "params": _grads(layer)}
 
 
@@ -213,7 +214,7 @@ def _hf_run(index: int, lengths: list[int], *, ties: bool = False, lifted: bool 
             out = layer(doc, embeddings, positions, mask)[0][0]
             outs.append(out)
             total = total + (out * grad_out[start:end]).sum()
-        total.backward()
+        total.backward()  # type: ignore[no-untyped-call]
     return {"out": torch.cat(outs).detach(), "grad_x": x.grad, "params": _grads(layer)}
 
 
