@@ -29,8 +29,8 @@ from torch import Tensor
 from cpkv.backends import get_backend
 from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName
 from cpkv.checks import check_int, check_ndim, check_tensor
-from cpkv.collectives import BackwardOrder, Group
-from cpkv.comm import check_group, gather_from_sp_cp
+from cpkv.collectives import BackwardOrder, Group, check_group
+from cpkv.comm import gather_from_sp_cp
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.exchange import exchange_rows
 from cpkv.index_keys import check_index_key_dtype, exchange_index_keys, round_index_keys
@@ -175,7 +175,8 @@ def _prefix_rows(gathered: Tensor, plan: AttentionPlan) -> Tensor:
     """The rank's prefix buffer from a natural-order (contiguous) or rank-major (zigzag) all-gather."""
     if plan.gather_rows is not None:
         return gathered.index_select(0, plan.gather_rows.to(gathered.device))
-    assert plan.prefix is not None  # contiguous layout (plan invariant)
+    if plan.prefix is None:  # a plan_attention plan always has one of the two
+        raise ValueError("plan has neither gather_rows (zigzag) nor prefix (contiguous): build it with plan_attention")
     return gathered.narrow(0, plan.prefix.kv_start, plan.prefix.kv_len)
 
 
@@ -391,7 +392,7 @@ def attention_forward(
         )
         ratio = 1
     else:
-        assert spec.window is not None  # spec.validate: compressed layers have a window
+        window = spec.window if spec.window is not None else 1  # spec.validate: compressed layers have a window
         kv_all = torch.cat([*kv_parts, *entry_parts])  # the one copy of the rank's kv in this layer
         visible = plan.segments.visible_for(spec.compress_ratio)
         if index is None:
@@ -401,7 +402,7 @@ def attention_forward(
                 picked = ops.indexer_topk(index.q_index, index.k_index, index.weights, plan.segments, visible, topk=spec.topk)
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
-        indices = torch.cat([plan.segments.window_indices(spec.window, offset=source.offset), cmp_rows], dim=1)
+        indices = torch.cat([plan.segments.window_indices(window, offset=source.offset), cmp_rows], dim=1)
         local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
         ratio = spec.compress_ratio
     result = local

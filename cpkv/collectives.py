@@ -14,12 +14,15 @@ The ops call the ``torch.distributed`` functions at run time (``all_gather_singl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from cpkv.checks import check_tensor
 
 Group = ProcessGroup | None
 """A process group; ``None`` means the default (world) group."""
@@ -211,3 +214,77 @@ def exchange(
         order.token = token
     received: Tensor = out
     return received
+
+
+# ------------------------------------------------------------------ group checks
+
+
+def check_group(name: str, group: object) -> Group:
+    """Return ``group`` if it is a process group or ``None`` (the default group), else raise ``TypeError``."""
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None (the default group), got {type(group).__name__}")
+    return group
+
+
+def check_group_position(group: Group, cp_size: int, cp_rank: int) -> None:
+    """Raise ``ValueError`` unless this process is rank ``cp_rank`` of a group of ``cp_size`` ranks."""
+    check_group("group", group)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (size, rank) != (cp_size, cp_rank):
+        raise ValueError(f"cp_size={cp_size}, cp_rank={cp_rank} do not match the group (size {size}, this rank {rank})")
+
+
+def check_same_on_all_ranks(
+    cu_seqlens: Tensor, group: Group, *, options: Sequence[int] = (), device: torch.device | str | None = None
+) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold the same ``cu_seqlens`` and ``options``.
+
+    Different ``cu_seqlens`` on different ranks make the plans, and so the collectives,
+    disagree: a hang, a gloo size error, or (same ``T``, other boundaries) silently wrong
+    attention. The comparison is exact: one all-reduce (MAX) of the lengths and their
+    negations, then, when the lengths agree, one all-reduce (MAX) of the values and their
+    negations; a rank differs from another iff some MAX differs from the negated MIN. Every
+    rank raises alike, so none is left in a collective. :func:`cpkv.plan_attention` runs it
+    when given a ``group``.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` int tensor (any convention: it is compared, not interpreted).
+        group: the CP group.
+        options: further integers that must agree (the plan's options).
+        device: where the all-reduces run (NCCL needs ``"cuda"``); default ``cu_seqlens.device``.
+
+    Raises:
+        TypeError: ``cu_seqlens`` is not an integer tensor, ``group`` not a process group.
+        ValueError: some rank holds other values; the message gives the first differing entry.
+
+    Example:
+        >>> check_same_on_all_ranks(cu_seqlens, cp_group)  # doctest: +SKIP
+    """
+    check_tensor("cu_seqlens", cu_seqlens)
+    check_group("group", group)
+    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu_seqlens.dtype}")
+    where = device or cu_seqlens.device
+    values = torch.cat([
+        cu_seqlens.detach().to(where, torch.int64).flatten(), torch.tensor(list(options), dtype=torch.int64, device=where)
+    ])
+    sizes = torch.tensor([values.numel(), -values.numel()], dtype=torch.int64, device=where)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    if int(sizes[0]) != -int(sizes[1]):
+        raise ValueError(
+            f"cu_seqlens (and plan options) differ between the ranks of the group: lengths range over"
+            f" [{-int(sizes[1])}, {int(sizes[0])}] entries (this rank: {values.numel()});"
+            " every rank must pass the same global cu_seqlens and plan options"
+        )
+    both = torch.cat([values, -values])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both[: values.numel()], -both[values.numel():]
+    differ = torch.nonzero(high != low).flatten()
+    if differ.numel():
+        first = int(differ[0])
+        what = f"cu_seqlens[{first}]" if first < cu_seqlens.numel() else f"plan option {first - cu_seqlens.numel()}"
+        raise ValueError(
+            f"cu_seqlens (and plan options) differ between the ranks of the group: {what} ranges over"
+            f" [{int(low[first])}, {int(high[first])}] (this rank: {int(values[first])});"
+            " every rank must pass the same global cu_seqlens and plan options"
+        )

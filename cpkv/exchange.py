@@ -12,8 +12,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from cpkv.checks import check_tensor
-from cpkv.collectives import BackwardOrder, Group, exchange
-from cpkv.comm import check_group
+from cpkv.collectives import BackwardOrder, Group, check_group, exchange
 from cpkv.plan.routes import Routes
 
 

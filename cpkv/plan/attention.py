@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from cpkv.checks import check_int
-from cpkv.comm import check_group_position, check_same_on_all_ranks
+from cpkv.collectives import check_group_position, check_same_on_all_ranks
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.plan.routes import CompressedRoutes, Routes, compressed_routes, kv_routes, plan_routes, rank_bounds
