@@ -70,15 +70,15 @@ def _(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]
 
 
 @torch.library.custom_op("cpkv::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: Tensor, group: str, world: int) -> Tensor:
+def _reduce_scatter(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]:
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _scatter_into(out, x.contiguous(), resolve_group(group))
-    return out
+    return out, token.new_zeros(())
 
 
 @_reduce_scatter.register_fake
-def _(x: Tensor, group: str, world: int) -> Tensor:
-    return x.new_empty((x.shape[0] // world, *x.shape[1:]))
+def _(x: Tensor, token: Tensor, group: str, world: int) -> tuple[Tensor, Tensor]:
+    return x.new_empty((x.shape[0] // world, *x.shape[1:])), token.new_empty(())
 
 
 def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -86,7 +86,10 @@ def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _gather_backward(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor, Tensor, None, None]:
-    return _reduce_scatter(grad, ctx.group, ctx.world), grad_token, None, None
+    # The backward collective consumes the token's gradient and produces the previous one's:
+    # a data dependency, so a compiled backward graph keeps the collectives in order too.
+    grad_x, grad_token = _reduce_scatter(grad, grad_token, ctx.group, ctx.world)
+    return grad_x, grad_token, None, None
 
 
 _all_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
@@ -114,18 +117,20 @@ def _(
 
 @torch.library.custom_op("cpkv::exchange_backward", mutates_args=())
 def exchange_backward_op(
-    grad: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int], group: str
-) -> Tensor:
+    grad: Tensor, token: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int],
+    group: str,
+) -> tuple[Tensor, Tensor]:
     back = grad.new_empty((sum(send_splits), *grad.shape[1:]))
     dist.all_to_all_single(back, grad.contiguous(), list(send_splits), list(recv_splits), group=resolve_group(group))
-    return grad.new_zeros((num_rows, *grad.shape[1:])).index_add_(0, send_rows, back)
+    return grad.new_zeros((num_rows, *grad.shape[1:])).index_add_(0, send_rows, back), token.new_zeros(())
 
 
 @exchange_backward_op.register_fake
 def _(
-    grad: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int], group: str
-) -> Tensor:
-    return grad.new_empty((num_rows, *grad.shape[1:]))
+    grad: Tensor, token: Tensor, send_rows: Tensor, num_rows: int, send_splits: list[int], recv_splits: list[int],
+    group: str,
+) -> tuple[Tensor, Tensor]:
+    return grad.new_empty((num_rows, *grad.shape[1:])), token.new_empty(())
 
 
 def _exchange_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -136,7 +141,9 @@ def _exchange_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _exchange_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor | None, ...]:
     (send_rows,) = ctx.saved_tensors
-    grad_x = exchange_backward_op(grad, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group)
+    grad_x, grad_token = exchange_backward_op(
+        grad, grad_token, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group
+    )
     return grad_x, grad_token, None, None, None, None
 
 
@@ -195,8 +202,9 @@ def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> T
 
 def reduce_scatter(x: Tensor, group: Group) -> Tensor:
     """Non-differentiable reduce-scatter (sum) along dim 0, ``[world * n, ...] -> [n, ...]``."""
-    result: Tensor = _reduce_scatter(x, group_name(group), dist.get_world_size(group))
-    return result
+    result, _token = _reduce_scatter(x, x.new_zeros((), dtype=torch.float32), group_name(group), dist.get_world_size(group))
+    out: Tensor = result
+    return out
 
 
 def exchange(

@@ -53,7 +53,7 @@ def received_bytes(op: str, args: tuple[Any, ...]) -> int:
         x, _token, _group, world = args
         return int(x.numel() * x.element_size() * (world - 1))
     if op == "reduce_scatter":
-        x, _group, world = args
+        x, _token, _group, world = args
         return int(x.numel() * x.element_size() // world * (world - 1))
     if op == "exchange":
         x, _token, _rows, _send, recv, _group = args
@@ -64,7 +64,7 @@ def received_bytes(op: str, args: tuple[Any, ...]) -> int:
         row = width + 4 if code == 3 else width * (_KEY_ROW[code] or keys.element_size())
         return int(sum(recv)) * int(row)
     if op == "exchange_backward":
-        grad, _rows, _num, send, _recv, _group = args
+        grad, _token, _rows, _num, send, _recv, _group = args
         return int(sum(send)) * _row_bytes(grad)
     return 0
 

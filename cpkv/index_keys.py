@@ -117,7 +117,9 @@ def _exchange_keys_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None
 
 def _exchange_keys_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor | None, ...]:
     (send_rows,) = ctx.saved_tensors
-    back = exchange_backward_op(grad, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group)
+    back, grad_token = exchange_backward_op(
+        grad, grad_token, send_rows, ctx.num_rows, ctx.send_splits, ctx.recv_splits, ctx.group
+    )
     return back, grad_token, None, None, None, None, None
 
 
