@@ -105,14 +105,12 @@ class AttentionSpec:
             raise ValueError(f"spec.window is required for compressed layers ({self.mode.name}), got None")
 
 
-class CompressorFn(Protocol):
-    """Maps compressor inputs ``[N_in, input_dim]`` and a :class:`CompressedPlan` to entries ``[N_c, D]`` (or ``None``).
-
-    It declares what it reads, so that cpkv can plan the rows it needs and check every call on
-    every rank before any collective (docs/semantics.md, "Compression"): ``ratio`` (tokens per
-    block), ``prev_blocks`` (earlier blocks of the same document each entry also reads: 1 for
-    DeepSeek-V4's overlapping ratio-4 compressor, else 0) and ``input_dim`` (width of ``x``).
-    """
+class BlockReader(Protocol):
+    """What a compressor or indexer declares it reads, so that cpkv can plan the rows it needs and
+    check every call on every rank before any collective (docs/semantics.md, "Compression"):
+    ``ratio`` (tokens per block), ``prev_blocks`` (earlier blocks of the same document each entry
+    also reads: 1 for DeepSeek-V4's overlapping ratio-4 compressor, else 0) and ``input_dim``
+    (width of its input rows)."""
 
     @property
     def ratio(self) -> int: ...
@@ -122,26 +120,20 @@ class CompressorFn(Protocol):
 
     @property
     def input_dim(self) -> int: ...
+
+
+class CompressorFn(BlockReader, Protocol):
+    """Maps compressor inputs ``[N_in, input_dim]`` and a :class:`CompressedPlan` to entries ``[N_c, D]`` (or ``None``)."""
 
     def __call__(self, x: Tensor, plan: CompressedPlan, /) -> Tensor | None: ...
 
 
-class IndexerFn(Protocol):
+class IndexerFn(BlockReader, Protocol):
     """The lightning indexer: queries from local features, keys from a compressor input buffer.
 
     ``queries(features [T/cp, F], positions [T/cp]) -> (q_index [T/cp, H_I, D_I], weights [T/cp, H_I])``;
-    ``keys(x [N_in, input_dim], plan) -> [N_c, D_I] | None``. Declares ``ratio``,
-    ``prev_blocks`` and ``input_dim`` like :class:`CompressorFn`. Its inputs are detached by cpkv.
+    ``keys(x [N_in, input_dim], plan) -> [N_c, D_I] | None``. Its inputs are detached by cpkv.
     """
-
-    @property
-    def ratio(self) -> int: ...
-
-    @property
-    def prev_blocks(self) -> int: ...
-
-    @property
-    def input_dim(self) -> int: ...
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -245,7 +237,7 @@ def _entries(
     return parts, IndexerTensors(q_index, weights, keys)
 
 
-def _check_module(name: str, module: CompressorFn | IndexerFn, spec: AttentionSpec, plan: AttentionPlan, hidden: Tensor) -> None:
+def _check_module(name: str, module: BlockReader, spec: AttentionSpec, plan: AttentionPlan, hidden: Tensor) -> None:
     """A compressor's or indexer's declarations against the spec, the plan and ``hidden``."""
     for attribute in ("ratio", "prev_blocks", "input_dim"):
         if not isinstance(getattr(module, attribute, None), int):
