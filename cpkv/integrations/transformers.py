@@ -123,7 +123,28 @@ class _Pooler:
         return self.rope(normed, plan.entry_positions)
 
 
-class DeepseekV4Compressor:
+class _PooledBlocks:
+    """The declarations of a :class:`~cpkv.attention.BlockReader` read off its pooler."""
+
+    _pool: _Pooler
+
+    @property
+    def ratio(self) -> int:
+        """Tokens per block."""
+        return self._pool.ratio
+
+    @property
+    def prev_blocks(self) -> int:
+        """Earlier blocks each entry reads: 1 for the overlapping (CSA) layout, 0 otherwise."""
+        return int(self._pool.overlap)
+
+    @property
+    def input_dim(self) -> int:
+        """Width of the input rows (the hidden size)."""
+        return self._pool.input_dim
+
+
+class DeepseekV4Compressor(_PooledBlocks):
     """A ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor`` as a :class:`~cpkv.attention.CompressorFn`.
 
     Entry ``j`` of a document pools block ``j`` (tokens ``j*m .. j*m+m-1``):
@@ -140,27 +161,12 @@ class DeepseekV4Compressor:
         self.module = module
         self._pool = _Pooler(module, int(module.compress_rate), int(module.head_dim), _Rope.of(rotary_emb or module.rotary_emb, "compress"))
 
-    @property
-    def ratio(self) -> int:
-        """Tokens per block."""
-        return self._pool.ratio
-
-    @property
-    def prev_blocks(self) -> int:
-        """Earlier blocks each entry reads: 1 for CSA's overlapping layout, 0 for HCA."""
-        return int(self._pool.overlap)
-
-    @property
-    def input_dim(self) -> int:
-        """Width of the compressor inputs (the hidden size)."""
-        return self._pool.input_dim
-
     def __call__(self, x: Tensor, plan: CompressedPlan, /) -> Tensor | None:
         """``[N_c, head_dim]`` entries of the blocks of ``plan`` in ``x`` ``[N_in, hidden]`` (``None`` without one)."""
         return self._pool(x, plan)
 
 
-class DeepseekV4Indexer:
+class DeepseekV4Indexer(_PooledBlocks):
     """A ``DeepseekV4Indexer`` as a :class:`~cpkv.attention.IndexerFn`.
 
     Its queries come from the query path's ``q_residual`` and its weights from the hidden
@@ -180,21 +186,6 @@ class DeepseekV4Indexer:
         self.rope = _Rope.of(rotary_emb or module.rotary_emb, "compress")
         self._pool = _Pooler(module, int(module.compress_rate), int(module.head_dim), self.rope)
         self.scale = float(module.scorer.softmax_scale) * float(module.scorer.weights_scaling)
-
-    @property
-    def ratio(self) -> int:
-        """Tokens per block of the indexer's keys."""
-        return self._pool.ratio
-
-    @property
-    def prev_blocks(self) -> int:
-        """Earlier blocks each key reads (1: the overlapping layout)."""
-        return int(self._pool.overlap)
-
-    @property
-    def input_dim(self) -> int:
-        """Width of the key inputs (the hidden size)."""
-        return self._pool.input_dim
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q`` ``[T, H_I, D_I]`` (compress RoPE at ``positions``) and weights ``[T, H_I]`` from ``[q_residual | hidden]``."""
