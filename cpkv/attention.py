@@ -18,6 +18,7 @@ Everything per-batch (segments, routes, rounds, visibility) is plan data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cpkv.agreement import agree_in_order
 from cpkv.backends import get_backend
 from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName
 from cpkv.checks import check_int, check_ndim, check_tensor
@@ -97,8 +99,8 @@ class AttentionSpec:
                 )
         if not isinstance(self.indexer_loss, bool):
             raise TypeError(f"spec.indexer_loss must be a bool, got {type(self.indexer_loss).__name__}")
-        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))):
-            raise TypeError(f"spec.scale must be a float or None, got {type(self.scale).__name__}")
+        if self.scale is not None:
+            _check_finite("spec.scale", self.scale, positive=True)
         if self.window is not None:
             check_int("spec.window", self.window, minimum=1)
         elif self.mode.compresses:
@@ -131,9 +133,19 @@ class CompressorFn(BlockReader, Protocol):
 class IndexerFn(BlockReader, Protocol):
     """The lightning indexer: queries from local features, keys from a compressor input buffer.
 
-    ``queries(features [T/cp, F], positions [T/cp]) -> (q_index [T/cp, H_I, D_I], weights [T/cp, H_I])``;
-    ``keys(x [N_in, input_dim], plan) -> [N_c, D_I] | None``. Its inputs are detached by cpkv.
+    ``queries(features [T/cp, feature_dim], positions [T/cp]) -> (q_index [T/cp, H_I, key_dim],
+    weights [T/cp, H_I])``; ``keys(x [N_in, input_dim], plan) -> [N_c, key_dim] | None``. Besides
+    :class:`BlockReader`'s declarations it declares ``key_dim`` (``D_I``, the width of its keys
+    and query heads) and ``feature_dim`` (the width of the features its queries come from:
+    ``index_features``, or ``hidden`` when that is not given), so that every rank can check them
+    and size the key buffers before any collective. Its inputs are detached by cpkv.
     """
+
+    @property
+    def key_dim(self) -> int: ...
+
+    @property
+    def feature_dim(self) -> int: ...
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -187,71 +199,160 @@ def _concat(parts: list[Tensor]) -> Tensor:
 
 
 def _compress_own(
-    routes: CompressedRoutes, hidden: Tensor, halo: Tensor, fn: Callable[[Tensor, CompressedPlan], Tensor | None]
+    routes: CompressedRoutes, hidden: Tensor, halo: Tensor, fn: Callable[[Tensor, CompressedPlan], Tensor | None],
+    name: str, width: int,
 ) -> list[Tensor]:
     """``fn`` over the rank's straddling blocks (small buffer with the halo) and its other blocks (own rows, no copy)."""
     parts = []
     if routes.straddle.num_entries:
         straddled = fn(torch.cat([halo, hidden[: routes.straddle_rows]]), routes.straddle)
-        parts += [straddled] if straddled is not None else []
+        parts.append(_checked_rows(name, straddled, routes.straddle.num_entries, width))
     if routes.own.num_entries:
         own = fn(hidden, routes.own)
-        parts += [own] if own is not None else []
+        parts.append(_checked_rows(name, own, routes.own.num_entries, width))
     return parts
+
+
+def _checked_rows(name: str, rows: Tensor | None, num_entries: int, width: int) -> Tensor:
+    """What a compressor or ``indexer.keys`` returned for blocks with entries: a float ``[num_entries, width]``."""
+    if not isinstance(rows, Tensor) or tuple(rows.shape) != (num_entries, width) or not rows.is_floating_point():
+        got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, Tensor) else type(rows).__name__
+        raise ValueError(
+            f"{name} must return a float [N_c, {width}] tensor with the plan's N_c = {num_entries} entries"
+            " (CompressedPlan.num_entries), got " + got
+        )
+    return rows
+
+
+def _checked_queries(indexer: IndexerFn, q_index: object, weights: object, num_queries: int) -> tuple[Tensor, Tensor]:
+    """``indexer.queries``' result: ``[T/cp, H_I, key_dim]`` queries and ``[T/cp, H_I]`` weights."""
+    if isinstance(q_index, Tensor) and isinstance(weights, Tensor) and q_index.ndim == 3 and weights.ndim == 2:
+        if q_index.shape[0] == num_queries and q_index.shape[2] == indexer.key_dim and weights.shape == q_index.shape[:2]:
+            return q_index, weights
+    shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (q_index, weights)]
+    raise ValueError(
+        f"indexer.queries must return q_index [T/cp, H_I, indexer.key_dim] = [{num_queries}, H_I, {indexer.key_dim}]"
+        f" and weights [T/cp, H_I], got {shapes[0]} and {shapes[1]}"
+    )
+
+
+class _Computed(NamedTuple):
+    """The modules' outputs on this rank, before any entry moves."""
+
+    entries: list[Tensor]
+    keys: Tensor | None
+    queries: tuple[Tensor, Tensor] | None
+
+
+def _run_modules(
+    plan: AttentionPlan, spec: AttentionSpec, inputs: Tensor, halo: Tensor | None, compressor: CompressorFn,
+    indexer: IndexerFn | None, features: Tensor, width: int,
+) -> _Computed:
+    """The compressor and the indexer over the rank's compressor inputs (no collective).
+
+    ``inputs`` is the all-gathered prefix (``halo`` ``None``) or, under the need exchange, the
+    rank's own rows with the received ``halo``. Every output is checked against the plan.
+    """
+    ratio = spec.compress_ratio
+    wants_index = spec.mode is LayerCompressMode.INDEXER and indexer is not None
+    keys: Tensor | None = None
+    if halo is None:
+        blocks = plan.segments.compressed_for(ratio)
+        computed = compressor(inputs, blocks)
+        entries = [_checked_rows("compressor", computed, blocks.num_entries, width)] if blocks.num_entries else []
+        if wants_index and indexer is not None and entries:
+            keys = _checked_rows("indexer.keys", indexer.keys(inputs.detach(), blocks), blocks.num_entries, indexer.key_dim)
+    else:
+        routes = plan.compressed[ratio]
+        entries = _compress_own(routes, inputs, halo, compressor, "compressor", width)
+        if wants_index and indexer is not None:
+            key_parts = _compress_own(routes, inputs.detach(), halo.detach(), indexer.keys, "indexer.keys", indexer.key_dim)
+            key_dtype = torch.promote_types(inputs.dtype, torch.float32)
+            keys = _concat(key_parts).to(key_dtype) if key_parts else inputs.new_zeros((0, indexer.key_dim), dtype=key_dtype)
+    queries = None
+    if keys is not None and indexer is not None:
+        q_index, weights = indexer.queries(features.detach(), plan.q_positions)
+        queries = _checked_queries(indexer, q_index, weights, plan.local_len)
+    return _Computed(entries, keys, queries)
 
 
 def _entries(
     plan: AttentionPlan, spec: AttentionSpec, hidden: Tensor, compressor: CompressorFn, indexer: IndexerFn | None,
     index_features: Tensor | None, kv: Tensor, group: Group, order: BackwardOrder,
 ) -> tuple[list[Tensor], IndexerTensors | None]:
-    """Compressed entries of the rank's prefix in plan order, as parts (and the indexer's tensors)."""
-    ratio = spec.compress_ratio
-    wants_index = spec.mode is LayerCompressMode.INDEXER and indexer is not None
-    keys: Tensor | None = None
+    """Compressed entries of the rank's prefix in plan order, as parts (and the indexer's tensors).
+
+    The compressor inputs arrive first (all-gathered, or the need exchange's halo), then the
+    compressor and the indexer run; with ``plan.check_modules`` the ranks agree on whether all
+    of them returned what the plan says (:func:`cpkv.agreement.agree_in_order`) before any
+    entry or key moves.
+    """
+    halo = None
     if plan.exchange == "allgather":
         inputs = _prefix_rows(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan)
-        blocks = plan.segments.compressed_for(ratio)
-        computed = compressor(inputs, blocks)
-        parts = [computed.to(kv.dtype)] if computed is not None else []
-        if wants_index and indexer is not None and computed is not None:
-            raw = indexer.keys(inputs.detach(), blocks)
-            keys = round_index_keys(raw, spec.index_key_dtype) if raw is not None else None
     else:
-        routes = plan.compressed[ratio]
-        halo = exchange_rows(hidden, routes.hidden, group, order=order)
-        # Every rank sends the same dtype: entries in the kv dtype (what attention uses them in).
-        owned_parts = [e.to(kv.dtype) for e in _compress_own(routes, hidden, halo, compressor)]
-        owned = _concat(owned_parts) if owned_parts else kv.new_zeros((0, kv.shape[-1]))
+        inputs, halo = hidden, exchange_rows(hidden, plan.compressed[spec.compress_ratio].hidden, group, order=order)
+    features = index_features if index_features is not None else hidden
+    error: Exception | None = None
+    try:
+        computed = _run_modules(plan, spec, inputs, halo, compressor, indexer, features, kv.shape[-1])
+    except Exception as exc:  # noqa: BLE001 - user code: every rank learns of it
+        if not plan.check_modules:
+            raise
+        error, computed = exc, _Computed([], None, None)
+    if plan.check_modules:
+        agree_in_order(error, group, order)
+    # Every rank sends the same dtype: entries in the kv dtype (what attention uses them in).
+    parts = [e.to(kv.dtype) for e in computed.entries]
+    keys = computed.keys
+    if plan.exchange == "need":
+        routes = plan.compressed[spec.compress_ratio]
+        owned = _concat(parts) if parts else kv.new_zeros((0, kv.shape[-1]))
         received = exchange_rows(owned, routes.entries, group, order=order)
         parts = [t for t in (received, owned) if t.shape[0]]
-        if wants_index and indexer is not None:
-            key_parts = _compress_own(routes, hidden.detach(), halo.detach(), indexer.keys)
-            key_dtype = torch.promote_types(hidden.dtype, torch.float32)
-            own_keys = _concat(key_parts).to(key_dtype) if key_parts else hidden.new_zeros((0, 0), dtype=key_dtype)
-            got = exchange_index_keys(own_keys, routes.entries, group, spec.index_key_dtype, order=order)
-            keys = torch.cat([got, round_index_keys(own_keys, spec.index_key_dtype)])
-    if not parts or keys is None or indexer is None:
+        if keys is not None:
+            got = exchange_index_keys(keys, routes.entries, group, spec.index_key_dtype, order=order)
+            keys = torch.cat([got, round_index_keys(keys, spec.index_key_dtype)])
+    elif keys is not None:
+        keys = round_index_keys(keys, spec.index_key_dtype)
+    if not parts or keys is None or computed.queries is None:
         return parts, None
-    features = index_features if index_features is not None else hidden
-    q_index, weights = indexer.queries(features.detach(), plan.q_positions)
+    q_index, weights = computed.queries
     return parts, IndexerTensors(q_index, weights, keys)
 
 
-def _check_module(name: str, module: BlockReader, spec: AttentionSpec, plan: AttentionPlan, hidden: Tensor) -> None:
+def _check_module(
+    name: str, module: object, spec: AttentionSpec, plan: AttentionPlan, hidden: Tensor,
+    declared: tuple[str, ...] = ("ratio", "prev_blocks", "input_dim"), methods: tuple[str, ...] = ("__call__",),
+) -> None:
     """A compressor's or indexer's declarations against the spec, the plan and ``hidden``."""
-    for attribute in ("ratio", "prev_blocks", "input_dim"):
-        if not isinstance(getattr(module, attribute, None), int):
-            raise TypeError(f"{name} must declare an int {name}.{attribute} (see CompressorFn), got {getattr(module, attribute, None)!r}")
-    if module.ratio != spec.compress_ratio:
-        raise ValueError(f"{name}.ratio ({module.ratio}) must equal spec.compress_ratio ({spec.compress_ratio})")
+    protocol = "CompressorFn" if name == "compressor" else "IndexerFn"
+    for attribute in declared:
+        value = getattr(module, attribute, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must declare an int {name}.{attribute} (see cpkv.{protocol}), got {value!r}")
+    for method in methods:
+        if not callable(getattr(module, method, None)):
+            raise TypeError(f"{name} must have a method {name}.{method} (see cpkv.{protocol}); got {type(module).__name__}")
+    reader: BlockReader = module  # type: ignore[assignment]  # its declarations were checked above
+    if reader.ratio != spec.compress_ratio:
+        raise ValueError(f"{name}.ratio ({reader.ratio}) must equal spec.compress_ratio ({spec.compress_ratio})")
     planned = plan.prev_blocks[spec.compress_ratio]
-    if module.prev_blocks > planned:
+    if reader.prev_blocks > planned:
         raise ValueError(
-            f"{name}.prev_blocks={module.prev_blocks} but the plan covers {planned} earlier block(s) at ratio"
-            f" {spec.compress_ratio}: plan_attention(..., prev_blocks={{{spec.compress_ratio}: {module.prev_blocks}}})"
+            f"{name}.prev_blocks={reader.prev_blocks} but the plan covers {planned} earlier block(s) at ratio"
+            f" {spec.compress_ratio}: plan_attention(..., prev_blocks={{{spec.compress_ratio}: {reader.prev_blocks}}})"
         )
-    if hidden.shape[-1] != module.input_dim:
-        raise ValueError(f"hidden must be [T/cp, {name}.input_dim] = [{plan.local_len}, {module.input_dim}], got {tuple(hidden.shape)}")
+    if hidden.shape[-1] != reader.input_dim:
+        raise ValueError(f"hidden must be [T/cp, {name}.input_dim] = [{plan.local_len}, {reader.input_dim}], got {tuple(hidden.shape)}")
+
+
+def _check_finite(name: str, value: object, *, positive: bool = False) -> None:
+    """A finite real number (and ``> 0`` when ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} float, got {value!r}")
 
 
 def _check_tensor_arg(name: str, x: object, form: str, ndim: int, rows: int, like: Tensor) -> Tensor:
@@ -279,8 +380,7 @@ def _check_inputs(
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     spec.validate()
     check_group("group", group)
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)):
-        raise TypeError(f"grad_scale must be a float, got {type(grad_scale).__name__}")
+    _check_finite("grad_scale", grad_scale)
     check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
     check_ndim("kv", check_tensor("kv", kv), 2, "[T/cp, D] (one shared kv head)")
     if not q.is_floating_point():
@@ -315,9 +415,17 @@ def _check_inputs(
     if spec.mode is LayerCompressMode.INDEXER:
         if indexer is None:
             raise ValueError(f"indexer is required for INDEXER layers (compress_ratio={spec.compress_ratio})")
-        _check_module("indexer", indexer, spec, plan, hidden)
+        _check_module("indexer", indexer, spec, plan, hidden, ("ratio", "prev_blocks", "input_dim", "key_dim", "feature_dim"),
+                      ("queries", "keys"))
+        features = hidden
         if index_features is not None:
-            _check_tensor_arg("index_features", index_features, "[T/cp, F]", 2, plan.local_len, q)
+            features = _check_tensor_arg("index_features", index_features, "[T/cp, F]", 2, plan.local_len, q)
+        if features.shape[-1] != indexer.feature_dim:
+            which = "index_features" if index_features is not None else "hidden (index_features not given)"
+            raise ValueError(
+                f"{which} must be [T/cp, indexer.feature_dim] = [{plan.local_len}, {indexer.feature_dim}],"
+                f" got {tuple(features.shape)}"
+            )
 
 
 def attention_forward(

@@ -16,7 +16,8 @@ def merge_partials(parts: Sequence[AttentionResult], sinks: Tensor | None = None
     ``lse = logsumexp_i(lse_i [, sink])``, ``out = sum_i exp(lse_i - lse) * out_i``. Rows that
     see no key in any part (and have no sink) get ``out = 0`` and ``lse = -inf``, with finite
     gradients (the logsumexp is written out: ``torch.logsumexp``'s gradient is NaN on rows
-    that are ``-inf`` everywhere).
+    that are ``-inf`` everywhere). A non-finite partial LSE or sink (NaN, ``+inf``) makes the
+    row's ``out`` and ``lse`` NaN, as a single attention over all keys would.
 
     Args:
         parts: partial results, ``out`` ``[T, H, D_v]``, ``lse`` ``[T, H]`` (natural log, no sink).
@@ -37,7 +38,7 @@ def merge_partials(parts: Sequence[AttentionResult], sinks: Tensor | None = None
     peak = stacked.detach().amax(0)
     peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
     total = torch.exp(stacked - peak).sum(0)
-    seen = total > 0
+    seen = total != 0  # NaN (a NaN partial or sink) counts as seen, so it propagates to out and lse
     lse = torch.where(seen, peak + torch.log(torch.where(seen, total, torch.ones_like(total))), float("-inf"))
     safe = torch.where(seen, lse, torch.zeros_like(lse))
     weights = torch.exp(stacked - safe)  # exp(-inf) = 0 for empty parts

@@ -186,6 +186,8 @@ class DeepseekV4Indexer(_PooledBlocks):
         self.rope = _Rope.of(rotary_emb or module.rotary_emb, "compress")
         self._pool = _Pooler(module, int(module.compress_rate), int(module.head_dim), self.rope)
         self.scale = float(module.scorer.softmax_scale) * float(module.scorer.weights_scaling)
+        self.key_dim = int(module.head_dim)
+        self.feature_dim = q_lora_rank + self._pool.input_dim
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q`` ``[T, H_I, D_I]`` (compress RoPE at ``positions``) and weights ``[T, H_I]`` from ``[q_residual | hidden]``."""

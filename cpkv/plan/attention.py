@@ -22,7 +22,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from cpkv.checks import check_int
-from cpkv.collectives import check_group_position, check_same_on_all_ranks
+from cpkv.agreement import agree
+from cpkv.collectives import check_group, check_group_position, check_same_on_all_ranks
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.plan.routes import CompressedRoutes, Routes, compressed_routes, kv_routes, plan_routes, rank_bounds
@@ -88,6 +89,8 @@ class AttentionPlan:
         windows, compress_ratios: what was planned.
         prev_blocks: per planned ratio, how many earlier blocks of the same document each
             entry's compressor may read (the need exchange's compressor-input halo covers them).
+        check_modules: whether compressed layer calls agree across ranks on their modules'
+            outputs (:func:`plan_attention`).
     """
 
     layout: Layout
@@ -107,6 +110,7 @@ class AttentionPlan:
     windows: tuple[int | None, ...]
     compress_ratios: tuple[int, ...]
     prev_blocks: Mapping[int, int]
+    check_modules: bool = True
 
     @property
     def q_positions(self) -> Tensor:
@@ -172,9 +176,7 @@ def _need_sources(
 ) -> dict[int | None, KVSource]:
     owned = rank_bounds(prefix.local_len, cp_size)
     sources: dict[int | None, KVSource] = {}
-    for window in dict.fromkeys(windows):
-        if window is not None:
-            check_int("windows[i]", window, minimum=1)
+    for window in windows:
         halo, lo = kv_routes(cu, owned, cp_rank, window, device)
         if ring_degree > 1:  # the buffer is the rank's own rows; the rest arrives in rounds
             offset, rounds, halo_or_none = prefix.rank_offset - prefix.kv_start, _rounds(
@@ -211,7 +213,8 @@ def _buffer_segments(segments: SegmentPlan, offset: int) -> SegmentPlan:
 def plan_attention(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout = "contiguous", exchange: Exchange = "allgather",
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
-    prev_blocks: Mapping[int, int] | None = None, group: ProcessGroup | None = None, check_ranks: bool = True,
+    prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
+    check_ranks: bool = True,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
@@ -226,22 +229,33 @@ def plan_attention(
         exchange: ``"allgather"`` or ``"need"`` (contiguous layout only).
         ring_degree: ``R > 1`` receives the remote kv of the need exchange in ``R`` rounds
             merged exactly by LSE (``exchange="need"`` only).
-        compress_ratios: the ratios ``> 1`` of the compressed layers that will use this plan.
-        windows: the sliding windows of the layers (``None`` for dense causal) that will use
-            this plan with ``exchange="need"`` (each gets its own halo; default: dense only).
-            Ignored by the all-gather exchange, whose prefix serves every window.
-        prev_blocks: per ratio, how many earlier blocks of the same document each entry's
-            compressor reads (a compressor declares it as ``compressor.prev_blocks``); default
-            DeepSeek-V4's: 1 for ratio 4 (the overlapping compressor), 0 otherwise. A layer whose
-            compressor reads more than planned raises before any collective.
+        compress_ratios: a sequence of the ratios ``> 1`` of the compressed layers that will use
+            this plan (e.g. ``[4, 128]``).
+        windows: a sequence of the sliding windows ``>= 1`` of the layers (``None`` for dense
+            causal) that will use this plan with ``exchange="need"`` (each gets its own halo;
+            default: dense only). Checked, then ignored, by the all-gather exchange, whose
+            prefix serves every window.
+        prev_blocks: a mapping ``{ratio: blocks}``: how many earlier blocks of the same document
+            each entry's compressor reads (a compressor declares it as
+            ``compressor.prev_blocks``); default DeepSeek-V4's: 1 for ratio 4 (the overlapping
+            compressor), 0 otherwise. A layer whose compressor *declares* more than planned
+            raises before any collective (what a compressor actually reads is not checked).
+        check_modules: compressed layer calls check what every rank's compressor and indexer
+            returned (entry count and width, key width, query shapes) and agree on the outcome
+            with one all-reduce of two integers and a host read before any entry moves, so a
+            module that fails on one rank raises on every rank (:mod:`cpkv.agreement`).
+            ``False`` drops that collective (no host sync in a layer call): a failing module
+            then raises on its own rank only and the others wait until the collective timeout.
         group: the CP process group (``torch.distributed.group.WORLD`` for the default group),
-            or ``None`` (default) to plan without communication. With a group,
-            ``cp_size``/``cp_rank`` must be the group's, and (``check_ranks=True``, the default)
-            every rank's ``cu_seqlens`` and options are compared exactly with two small
-            all-reduces (MAX of the values and of their negations): every rank raises the same
-            ``ValueError`` when any rank differs. Once per micro-batch; a host sync.
-        check_ranks: set ``False`` to skip the cross-rank comparison (the group position is
-            still checked).
+            or ``None`` (default) to plan without communication. With a group, every rank
+            validates its own arguments and the ranks agree on the outcome (one all-reduce):
+            when any rank's arguments are invalid, or ``cp_size``/``cp_rank`` are not its group
+            position, every rank raises. Then (``check_ranks=True``, the default) every rank's
+            ``cu_seqlens`` and options are compared exactly with two small all-reduces (MAX of
+            the values and of their negations): every rank raises the same ``ValueError`` when
+            any rank differs. Once per micro-batch; host syncs.
+        check_ranks: set ``False`` to skip the cross-rank comparison (the agreement on each
+            rank's own validation still runs).
 
     Returns:
         :class:`AttentionPlan`.
@@ -250,35 +264,78 @@ def plan_attention(
         TypeError, ValueError: invalid ``cu_seqlens``, ``T % cp_size != 0``, rank out of range,
             an unknown layout or exchange, ``exchange="need"`` or ``ring_degree > 1`` with the
             zigzag layout, ``ring_degree > 1`` without ``exchange="need"``, a zigzag document
-            length not divisible by ``2 * cp_size`` (the first one is named), a ratio ``< 2``,
-            a window ``< 1``, a group position other than ``(cp_size, cp_rank)``, ranks that
-            disagree on ``cu_seqlens`` or the options.
+            length not divisible by ``2 * cp_size`` (the first one is named), ``compress_ratios``
+            or ``windows`` not a sequence, ``prev_blocks`` not a mapping or naming an unplanned
+            ratio, a ratio ``< 2``, a window ``< 1``, a group position other than
+            ``(cp_size, cp_rank)``, ranks that disagree on ``cu_seqlens`` or the options. With a
+            ``group``, raised on every rank when any rank fails.
 
     Example:
         >>> plan = plan_attention(torch.tensor([0, 5, 12, 16]), 2, 1, compress_ratios=[4])
         >>> plan.q_positions.tolist(), plan.prefix.kv_start
         ([3, 4, 5, 6, 0, 1, 2, 3], 5)
     """
+    def build() -> AttentionPlan:
+        return _build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios, windows,
+                           prev_blocks, check_modules)
+
+    if group is None:
+        return build()
+    check_group("group", group)
+    try:
+        check_group_position(group, cp_size, cp_rank)
+        plan = build()
+    except Exception as error:  # noqa: BLE001 - every rank learns of it, then raises
+        agree(error, group)
+        raise
+    agree(None, group)
+    if check_ranks:
+        check_same_on_all_ranks(cu_seqlens, group, options=_options(plan))
+    return plan
+
+
+def _options(plan: AttentionPlan) -> list[int]:
+    """The plan's options as integers, for the cross-rank comparison."""
+    windows = [-1 if w is None else w for w in plan.windows]
+    return [LAYOUTS.index(plan.layout), EXCHANGES.index(plan.exchange), plan.ring_degree, int(plan.check_modules),
+            *plan.compress_ratios, -7, *plan.prev_blocks.values(), -7, *windows]
+
+
+def _int_sequence(name: str, value: object, *, minimum: int, allow_none: bool = False) -> tuple[int | None, ...]:
+    """``value`` as a tuple of ints ``>= minimum`` (and ``None`` where allowed), duplicates dropped."""
+    form = f"a sequence of ints{' or None' if allow_none else ''}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be {form} (e.g. [{max(minimum, 4)}]), got {type(value).__name__} {value!r}")
+    items: list[int | None] = []
+    for i, item in enumerate(value):
+        if item is None and allow_none:
+            items.append(None)
+        else:
+            items.append(check_int(f"{name}[{i}]", item, minimum=minimum))
+    return tuple(dict.fromkeys(items))
+
+
+def _build_plan(
+    cu_seqlens: Tensor, cp_size: int, cp_rank: int, layout: Layout, exchange: Exchange, ring_degree: int,
+    compress_ratios: Sequence[int], windows: Sequence[int | None], prev_blocks: Mapping[int, int] | None,
+    check_modules: bool,
+) -> AttentionPlan:
+    """:func:`plan_attention` without the group: validate, then plan."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     check_int("ring_degree", ring_degree, minimum=1)
+    if not isinstance(check_modules, bool):
+        raise TypeError(f"check_modules must be a bool, got {type(check_modules).__name__}")
     if ring_degree > 1 and exchange != "need":
         raise ValueError(f"ring_degree={ring_degree} splits the need-based exchange: pass exchange='need'")
     if layout == "zigzag" and exchange != "allgather":
         raise ValueError("layout='zigzag' supports only exchange='allgather' (the need exchange is contiguous-only)")
     validate_cu_seqlens(cu_seqlens)
-    ratios = tuple(dict.fromkeys(compress_ratios))
-    for ratio in ratios:
-        check_int("compress_ratios[i]", ratio, minimum=2)
+    ratios = tuple(r for r in _int_sequence("compress_ratios", compress_ratios, minimum=2) if r is not None)
+    planned_windows = _int_sequence("windows", windows, minimum=1, allow_none=True)
     reach = _prev_blocks(ratios, prev_blocks)
-    if group is not None:
-        check_group_position(group, cp_size, cp_rank)
-        if check_ranks:
-            options = [LAYOUTS.index(layout), EXCHANGES.index(exchange), ring_degree, *ratios, *reach.values(), -7,
-                       *(-1 if w is None else check_int("windows[i]", w, minimum=1) for w in windows)]
-            check_same_on_all_ranks(cu_seqlens, group, options=options)
     num_tokens = int(cu_seqlens[-1])
     offset, local_len = contiguous_shard_range(num_tokens, cp_size, cp_rank)
     device = cu_seqlens.device
@@ -293,7 +350,7 @@ def plan_attention(
         kv = {None: KVSource(None, 0, segments, ())}
         if exchange == "need":
             cu = cu_seqlens.detach().to("cpu", torch.int64)
-            kv = _need_sources(cu, segments, prefix, cp_size, cp_rank, tuple(windows) or (None,), ring_degree, device)
+            kv = _need_sources(cu, segments, prefix, cp_size, cp_rank, planned_windows or (None,), ring_degree, device)
             owned = rank_bounds(local_len, cp_size)
             compressed = {r: compressed_routes(cu, owned, cp_rank, r, reach[r], device) for r in ratios}
     return AttentionPlan(
@@ -301,12 +358,18 @@ def plan_attention(
         num_tokens=num_tokens, local_len=local_len, num_documents=cu_seqlens.numel() - 1,
         num_global_queries=num_tokens, segments=segments, prefix=prefix, gather_rows=rows,
         kv=MappingProxyType(kv), compressed=MappingProxyType(compressed),
-        windows=tuple(dict.fromkeys(windows)), compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
+        windows=planned_windows, compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
+        check_modules=check_modules,
     )
 
 
 def _prev_blocks(ratios: Sequence[int], prev_blocks: Mapping[int, int] | None) -> dict[int, int]:
     """Earlier blocks each ratio's compressor reads: the caller's, else DeepSeek-V4's (1 at ratio 4)."""
+    if prev_blocks is not None and not isinstance(prev_blocks, Mapping):
+        raise TypeError(
+            f"prev_blocks must be a mapping {{ratio: earlier blocks}} (e.g. {{4: 1}}) or None,"
+            f" got {type(prev_blocks).__name__} {prev_blocks!r}"
+        )
     given = dict(prev_blocks or {})
     unknown = [r for r in given if r not in ratios]
     if unknown:

@@ -35,6 +35,16 @@ class Indexer(nn.Module):
         """Earlier blocks each key entry reads (its compressor's)."""
         return self.compressor.prev_blocks
 
+    @property
+    def key_dim(self) -> int:
+        """``D_I``: width of the keys and of each query head."""
+        return self.head_dim
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the features the queries come from (the hidden states)."""
+        return self.input_dim
+
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q_I`` ``[T, H_I, D_I]`` (RoPE at ``positions``) and scaled weights ``[T, H_I]``."""
         q = self.wq(x).unflatten(-1, (self.heads, self.head_dim))

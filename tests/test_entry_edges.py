@@ -1,0 +1,97 @@
+"""INDEXER layers on ranks that own no compressed entry, under the need exchange (a 0.2 regression).
+
+A rank whose shard holds no block of a compressed layer still receives the indexer keys of
+earlier ranks; its key buffer must have the keys' width (the indexer's declared ``key_dim``),
+and an empty fp8 key buffer must pack without error. Each batch below crashed or hung 0.2.0
+(gloo "Received data size doesn't match expected size", or ``IndexError: amax()`` on the
+empty keys while the peers waited in the all-to-all). Every rank's output, input gradient and
+the rank-summed parameter gradients are compared with the single-process oracle
+``reference_forward`` on the whole batch.
+
+Tolerance: fp32 against fp32, both accumulating in fp32 and differing only in summation
+order: 1e-5 relative (observed ~1e-7). The fp8 keys are rounded identically on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from cpkv.launch import spawn
+from cpkv.plan import plan_attention
+from cpkv.plan.sharding import shard_contiguous
+from cpkv.v4 import V4Attention, V4Config, reference_forward
+
+FP8 = torch.float8_e4m3fn
+# (cp, cu_seqlens, config): the batches of the issue, and T = 0, 4, 8 at cp 4.
+CASES: dict[int, list[tuple[list[int], V4Config]]] = {
+    2: [
+        ([0, 6, 8], V4Config(compress_ratio=4, window=2, topk=4)),
+        ([0, 6, 8], V4Config(compress_ratio=4, window=2, topk=4, index_key_dtype=FP8)),
+        ([0, 2, 4, 6, 8, 10, 12, 14, 32], V4Config(compress_ratio=4, window=8, topk=4, index_key_dtype=FP8)),
+    ],
+    3: [
+        ([0, 10, 12], V4Config(compress_ratio=4, window=2, topk=4, index_key_dtype=FP8)),
+        ([0, 10, 12], V4Config(compress_ratio=4, window=2, topk=4)),
+    ],
+    4: [([0, 0], V4Config(compress_ratio=4, window=8, topk=4, index_key_dtype=FP8))]
+    + [([0, t], V4Config(compress_ratio=4, window=8, topk=4, index_key_dtype=FP8)) for t in (4, 8)],
+}
+EXCHANGES = ("need", "allgather")
+
+
+def _inputs(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(num_tokens, 64, generator=gen), torch.randn(num_tokens, 64, generator=gen)
+
+
+def _grads(layer: V4Attention) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def _run(rank: int, world: int) -> list[dict[str, Any]]:
+    results = []
+    for cu_list, config in CASES[world]:
+        for exchange in EXCHANGES:
+            cu = torch.tensor(cu_list)
+            x, grad_out = _inputs(cu_list[-1])
+            layer = V4Attention(config, seed=5)
+            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[4], windows=[config.window])
+            x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+            result = layer(x_local, plan, None)
+            result.out.backward(shard_contiguous(grad_out, world, rank))
+            results.append({"out": result.out.detach(), "grad_x": x_local.grad, "params": _grads(layer)})
+    return results
+
+
+def _reference(cu_list: list[int], config: V4Config) -> dict[str, Any]:
+    x, grad_out = _inputs(cu_list[-1])
+    layer = V4Attention(config, seed=5)
+    x = x.clone().requires_grad_(True)
+    result = reference_forward(layer, x, torch.tensor(cu_list))
+    result.out.backward(grad_out)
+    return {"out": result.out.detach(), "grad_x": x.grad, "params": _grads(layer)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if b.numel() == 0:  # T = 0: nothing to compare but the shape
+        return 0.0 if a.shape == b.shape else float("inf")
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_ranks_without_entries_match_single_process(world: int) -> None:
+    per_rank = spawn(_run, world, timeout=200.0)
+    cases = [(cu, config, exchange) for cu, config in CASES[world] for exchange in EXCHANGES]
+    for i, (cu_list, config, exchange) in enumerate(cases):
+        expected = _reference(cu_list, config)
+        ranks = [r[i] for r in per_rank]
+        what = f"cp {world} cu {cu_list} {exchange} keys {config.index_key_dtype}"
+        assert _rel(torch.cat([r["out"] for r in ranks]), expected["out"]) <= 1e-5, what
+        assert _rel(torch.cat([r["grad_x"] for r in ranks]), expected["grad_x"]) <= 1e-5, what
+        for name, grad in expected["params"].items():
+            summed = sum(r["params"][name].double() for r in ranks if name in r["params"])
+            assert isinstance(summed, torch.Tensor) and _rel(summed, grad) <= 1e-5, (what, name)
