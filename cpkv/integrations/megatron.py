@@ -5,9 +5,11 @@ Megatron describes a packed (THD) micro-batch with ``PackedSeqParams`` (megatron
 ``cu_seqlens_kv`` of the real tokens, and, when TransformerEngine's context parallelism
 needs it, ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded``: every document padded at its
 end to a multiple of ``2 * cp``, and the packed tensor laid out in those padded documents.
-TransformerEngine then shards per document in zigzag: rank ``r`` holds chunks ``r`` and
-``2cp-1-r`` of every padded document (``thd_get_partitioned_indices``), which is cpkv's
-``layout="zigzag"`` over the padded cu_seqlens.
+At ``cp > 1`` Megatron always shards THD per document in zigzag, padded or not: rank ``r``
+holds chunks ``r`` and ``2cp-1-r`` of every document of the padded cu_seqlens if set, else
+of ``cu_seqlens_q`` (TransformerEngine's ``thd_get_partitioned_indices`` in
+``get_thd_batch_on_this_cp_rank``; the THD RoPE positions likewise), which is cpkv's
+``layout="zigzag"`` over those cu_seqlens.
 
 :func:`plan_from_packed_seq_params` returns that plan together with the rows of this
 rank's shard that hold real tokens (:class:`PackedPlan`); nothing here imports Megatron.
@@ -22,9 +24,9 @@ import torch
 from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
-from cpkv.plan.attention import AttentionPlan, Layout, plan_attention
+from cpkv.plan.attention import LAYOUTS, AttentionPlan, Layout, plan_attention
 from cpkv.plan.conventions import validate_cu_seqlens
-from cpkv.plan.sharding import check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_tnd_index
+from cpkv.plan.sharding import contiguous_shard_range, zigzag_tnd_index
 
 __all__ = ["PackedPlan", "plan_from_packed_seq_params"]
 
@@ -58,7 +60,7 @@ def _cu_seqlens(params: object, field: str) -> Tensor | None:
         return None
     tensor = check_tensor(f"params.{field}", value)
     check_int_dtype(f"params.{field}", tensor)
-    validate_cu_seqlens(tensor)
+    validate_cu_seqlens(tensor, name=f"params.{field}")
     return tensor
 
 
@@ -86,16 +88,17 @@ def plan_from_packed_seq_params(
 ) -> PackedPlan:
     """cpkv's plan for the micro-batch Megatron describes with ``PackedSeqParams``.
 
-    With ``cu_seqlens_q_padded`` set (TransformerEngine's THD context parallelism), the
-    batch is laid out in padded documents (lengths multiples of ``2 * cp_size``, real tokens
-    first, padding at each document's end) and sharded per document in zigzag (chunks ``r``
-    and ``2cp-1-r``): the plan is ``plan_attention(cu_seqlens_q_padded, ..., layout="zigzag")``
-    and ``real_rows`` names the shard's real tokens. Causal attention never lets a real token
-    see the padding after it, so real tokens' outputs equal the unpadded batch's. Without
-    padded cu_seqlens the plan is over ``cu_seqlens_q`` with the contiguous layout (rank
-    ``r`` holds packed tokens ``[r*T/cp, (r+1)*T/cp)``); pass ``layout="zigzag"`` for
-    TransformerEngine's zigzag over unpadded documents (what Megatron does at ``cp > 1``
-    when the padded cu_seqlens are unset).
+    The plan is over ``cu_seqlens_q_padded`` if set, else over ``cu_seqlens_q``. At
+    ``cp_size > 1`` the default layout is Megatron's: per-document zigzag (rank ``r`` holds
+    chunks ``r`` and ``2cp-1-r`` of every document, in document order), so every planned
+    document length must be a multiple of ``2 * cp_size``. With ``cu_seqlens_q_padded`` set
+    (TransformerEngine's THD context parallelism) the batch is laid out in padded documents
+    (real tokens first, padding at each document's end) and ``real_rows`` names the shard's
+    real tokens; causal attention never lets a real token see the padding after it, so real
+    tokens' outputs equal the unpadded batch's. At ``cp_size == 1`` nothing is sharded: the
+    default is ``"contiguous"`` (the same token order as zigzag, without its length
+    requirement). ``layout="contiguous"`` at ``cp > 1`` (rank ``r`` holds packed tokens
+    ``[r*T/cp, (r+1)*T/cp)``) is not what Megatron does; ask for it explicitly.
 
     Args:
         params: a ``megatron.core.packed_seq_params.PackedSeqParams`` or any object with its
@@ -104,7 +107,8 @@ def plan_from_packed_seq_params(
             ``cu_seqlens_q_padded``, ``cu_seqlens_kv_padded``: ``[B + 1]`` or ``None`` (equal).
             ``max_seqlen_*`` are not read. ``local_cp_size``, if present and set, must equal ``cp_size``.
         cp_size, cp_rank: CP group size and this rank.
-        layout: ``None`` (default): ``"zigzag"`` with padded cu_seqlens, else ``"contiguous"``.
+        layout: ``None`` (default): ``"zigzag"`` at ``cp_size > 1`` (padded or not, as Megatron),
+            ``"contiguous"`` at ``cp_size == 1``; or ``"zigzag"`` / ``"contiguous"`` explicitly.
         **plan_options: the other keyword options of :func:`cpkv.plan_attention`
             (``exchange``, ``ring_degree``, ``compress_ratios``, ``windows``), passed through.
 
@@ -115,11 +119,17 @@ def plan_from_packed_seq_params(
         ``B`` documents, ``T`` packed tokens of all ranks (padding included), ``T/cp`` per rank.
 
     Raises:
-        TypeError: a missing attribute, a non-tensor or non-integer cu_seqlens.
-        ValueError: ``qkv_format != "thd"``; kv cu_seqlens differing from the query ones (the
-            field is named); a padded document shorter than its real length, or not a
-            multiple of ``2 * cp_size`` with the zigzag layout; ``local_cp_size != cp_size``;
-            anything :func:`cpkv.plan_attention` rejects.
+        TypeError: a missing attribute, a non-tensor or non-integer cu_seqlens (the field is named).
+        ValueError: ``qkv_format != "thd"``; ``layout`` not ``None``, ``"zigzag"`` or
+            ``"contiguous"``; a cu_seqlens field that is not leading-zero, non-decreasing and
+            1-D; kv cu_seqlens differing from the query ones; a padded document shorter than
+            its real length; with the zigzag layout, a planned document length that is not a
+            multiple of ``2 * cp_size`` (the message names ``params.cu_seqlens_q`` or
+            ``params.cu_seqlens_q_padded``, the document and its length, and the fix: pad and
+            set the padded cu_seqlens, or pass ``layout="contiguous"``); with the contiguous
+            layout, a packed token count not divisible by ``cp_size``; ``local_cp_size !=
+            cp_size``; anything else :func:`cpkv.plan_attention` rejects (its options).
+            Every cu_seqlens error names its ``params.<field>``.
 
     Example:
         >>> from types import SimpleNamespace
@@ -140,12 +150,14 @@ def plan_from_packed_seq_params(
     cu_q = _required_cu_seqlens(params, "cu_seqlens_q")
     cu_kv = _required_cu_seqlens(params, "cu_seqlens_kv")
     _same("cu_seqlens_q", "cu_seqlens_kv", cu_q, cu_kv)
-    cu_q_padded = _cu_seqlens(params, "cu_seqlens_q_padded", )
-    cu_kv_padded = _cu_seqlens(params, "cu_seqlens_kv_padded", )
+    cu_q_padded = _cu_seqlens(params, "cu_seqlens_q_padded")
+    cu_kv_padded = _cu_seqlens(params, "cu_seqlens_kv_padded")
     _same("cu_seqlens_q_padded", "cu_seqlens_kv_padded", cu_q_padded, cu_kv_padded)
-    if layout is None:
-        layout = "contiguous" if cu_q_padded is None else "zigzag"
-    cu_seqlens = cu_q if cu_q_padded is None else cu_q_padded
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be None or one of {LAYOUTS}, got {layout!r}")
+    if layout is None:  # Megatron shards THD per document in zigzag at cp > 1; at cp 1 nothing is sharded
+        layout = "zigzag" if cp_size > 1 else "contiguous"
+    field, cu_seqlens = ("cu_seqlens_q", cu_q) if cu_q_padded is None else ("cu_seqlens_q_padded", cu_q_padded)
     real_len = cu_q.detach().to("cpu", torch.int64).diff()
     if cu_q_padded is not None:
         padded_len = cu_q_padded.detach().to("cpu", torch.int64).diff()
@@ -155,10 +167,34 @@ def plan_from_packed_seq_params(
                 f" padded length >= the real one), got cu_seqlens_q={cu_q.tolist()},"
                 f" cu_seqlens_q_padded={cu_q_padded.tolist()}"
             )
-        if layout == "zigzag":
-            check_zigzag_tnd_lengths(cu_q_padded, cp_size)
+    if layout == "zigzag":
+        _check_zigzag_lengths(field, cu_seqlens, cp_size)
+    elif int(cu_seqlens[-1]) % cp_size:
+        raise ValueError(
+            f"params.{field}: layout='contiguous' needs the packed token count divisible by cp_size = {cp_size},"
+            f" got {field}[-1] = {int(cu_seqlens[-1])}"
+        )
     plan = plan_attention(cu_seqlens, cp_size, cp_rank, layout=layout, **plan_options)
     return PackedPlan(plan, cu_seqlens, _real_rows(cu_seqlens, real_len, plan))
+
+
+def _check_zigzag_lengths(field: str, cu_seqlens: Tensor, cp_size: int) -> None:
+    """Raise ``ValueError`` naming ``params.<field>`` and its first document not a multiple of ``2 * cp_size``."""
+    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
+    bad = torch.nonzero(lengths % (2 * cp_size)).flatten()
+    if bad.numel():
+        doc, multiple = int(bad[0]), 2 * cp_size
+        if field == "cu_seqlens_q":
+            fix = (f"pad every document at its end to a multiple of {multiple} and set params.cu_seqlens_q_padded"
+                   " / cu_seqlens_kv_padded (as TransformerEngine's THD context parallelism expects)")
+        else:
+            fix = f"pad every document of params.{field} / cu_seqlens_kv_padded to a multiple of {multiple}"
+        raise ValueError(
+            f"params.{field}: layout='zigzag' (Megatron's THD sharding: rank r holds chunks r and 2cp-1-r of"
+            f" every document) needs every document length to be a multiple of 2*cp_size = {multiple}, but"
+            f" document {doc} ({field}[{doc}:{doc + 2}] = {cu_seqlens[doc:doc + 2].tolist()}) has length"
+            f" {int(lengths[doc])}; {fix}, or pass layout='contiguous' explicitly"
+        )
 
 
 def _real_rows(cu_seqlens: Tensor, real_len: Tensor, plan: AttentionPlan) -> Tensor:
