@@ -216,6 +216,8 @@ class CUDABackend:
             them on any device (CPU needs ``TRITON_INTERPRET=1`` before triton is imported: tests).
 
     Raises:
+        TypeError: ``varlen_attn`` is neither callable nor None; ``deterministic`` is not a
+            bool or ``triton_kernels`` neither a bool nor None.
         RuntimeError: torch has no ``varlen_attn``, or its signature is neither the
             ``window_size`` form nor the torch 2.10 ``is_causal`` form.
 
@@ -230,6 +232,11 @@ class CUDABackend:
         self, varlen_attn: Callable[..., Any] | None = None, *, block_size: int = 1024,
         deterministic: bool = False, triton_kernels: bool | None = None,
     ) -> None:
+        if varlen_attn is not None and not callable(varlen_attn):
+            raise TypeError(
+                "varlen_attn must be a callable like torch.nn.attention.varlen.varlen_attn, or None "
+                f"(torch's own), got {varlen_attn!r}"
+            )
         default = _torch_varlen_attn()
         if varlen_attn is None:
             if default is None:
@@ -404,7 +411,10 @@ class CUDABackend:
 
         Args:
             q: ``[T, H, D]``. kv: ``[N, D]`` one shared head, values = its first ``d_v`` channels.
-            indices: ``[T, K]`` int, -1 padded. scale: softmax scale. sinks: ``[H]`` or None.
+            indices: ``[T, K]`` int, -1 padded. Not validated (no host sync): on the Triton
+                path any index outside ``[0, N)`` is padding, never read or written (the
+                reference's validated ``sparse_attention`` raises for it). scale: softmax scale.
+                sinks: ``[H]`` or None.
 
         Returns:
             ``AttentionResult(out [T, H, d_v] dtype of q, lse [T, H] fp32)``, differentiable

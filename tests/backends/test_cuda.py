@@ -426,6 +426,11 @@ def test_lse_layout_and_bad_signature() -> None:
         CUDABackend(lambda q, k, v: q)
 
 
+def test_non_callable_varlen_attn_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"varlen_attn must be a callable like torch\.nn\.attention\.varlen\.varlen_attn, or None.*got 42"):
+        CUDABackend(varlen_attn=42)  # type: ignore[arg-type]
+
+
 def test_default_kernel_on_cpu_tensors_falls_back() -> None:
     segments = _plan()
     q, k, v, sinks, *_ = _inputs(segments, torch.bfloat16)

@@ -10,8 +10,10 @@ the tests import it under the interpreter to run every kernel on CPU.
 Layout (one program per query row ``t`` and block of heads, unless said otherwise):
 
 * ``q [T, H, D]`` (any strides), ``kv [N, D]`` (row stride ``stride_kvn``, unit channel
-  stride), ``idx [T, K]`` int32 with ``-1`` padding anywhere in a row. A padded entry
-  never reads or writes a kv row (its loads are masked to 0 and its score to ``-inf``).
+  stride), ``idx [T, K]`` int32 with ``-1`` padding anywhere in a row. Every entry outside
+  ``[0, N)`` (``-1``, but also ``-2`` or ``N + 3``) is padding: it never reads or writes a kv
+  row (its loads and atomic adds are masked, its score is ``-inf``), so no index can reach
+  memory outside kv or dkv.
 * D is split: scores accumulate over ``BLOCK_D`` channel chunks; the forward splits the
   value channels over the grid's third axis (``BLOCK_DV`` each) and the backward splits
   its dq/dkv columns likewise (``BLOCK_DC``), so D = 512 (or 576) never needs a
@@ -29,7 +31,7 @@ import triton.language as tl
 @triton.jit
 def sparse_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
-    H, D, DV, K,
+    N, H, D, DV, K,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     scale,
     HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -50,7 +52,7 @@ def sparse_fwd_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = rows >= 0
+        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded or written
         kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
         s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -82,7 +84,7 @@ def sparse_fwd_kernel(
 @triton.jit
 def sparse_bwd_kernel(
     q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
-    H, D, DV, K,
+    N, H, D, DV, K,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dot, stride_doh,
     scale,
     ATOMIC_DKV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -112,7 +114,7 @@ def sparse_bwd_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = rows >= 0
+        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded or written
         safe_rows = tl.where(valid, rows, 0).to(tl.int64)
         kv_rows = kv_ptr + safe_rows[:, None] * stride_kvn
         s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
@@ -193,7 +195,7 @@ def sparse_dkv_keymajor_kernel(
 @triton.jit
 def selected_probs_kernel(
     q_ptr, kv_ptr, idx_ptr, lse_ptr, out_ptr,
-    H, D, K,
+    N, H, D, K,
     stride_qt, stride_qh, stride_kvn, stride_it,
     scale,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
@@ -203,7 +205,7 @@ def selected_probs_kernel(
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
     rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-    valid = rows >= 0
+    valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded or written
     kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
     total = tl.zeros([BLOCK_K], tl.float32)
     for h0 in range(0, H, BLOCK_H):

@@ -8,10 +8,15 @@
 
 Semantics are those of the reference ops of the same name (:mod:`cpkv.backends.reference`),
 which are the tests' oracle. Nothing is validated here (the backend's plans were validated
-when built); the bodies are opaque to ``torch.compile``, so a layer calling them still
-compiles with ``fullgraph=True``. Inputs: fp16, bf16 or fp32 (fp32 accumulation; fp32
-dot products run in IEEE precision, not TF32), on a CUDA device, or on CPU when the kernels
-were imported under ``TRITON_INTERPRET=1``.
+when built, and a check of the indices would sync the host every layer); the bodies are
+opaque to ``torch.compile``, so a layer calling them still compiles with ``fullgraph=True``.
+Index safety is by construction instead: every index outside ``[0, N)`` (``-2``, ``N``,
+``N + 3``, ...) is treated exactly as ``-1`` padding (never loaded, never written, also by
+the atomic dkv adds), and ``indexer_topk`` clamps ``start``/``end`` to ``[0, N_c]``. The
+reference's validated entry points raise ``ValueError`` for such input instead.
+
+Inputs: fp16, bf16 or fp32 (fp32 accumulation; fp32 dot products run in IEEE precision, not
+TF32), on a CUDA device, or on CPU when the kernels were imported under ``TRITON_INTERPRET=1``.
 
 dkv: by default the backward accumulates it with fp32 atomics from query-major programs
 (the summation order varies run to run). With ``deterministic=True`` the query-major pass
@@ -84,7 +89,7 @@ def _launch_fwd(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale:
     grid = (num_q, triton_cdiv(heads, b.h), triton_cdiv(d_v, b.dv))
     _kernels().sparse_fwd_kernel[grid](
         q, kv, idx, sinks if sinks is not None else lse, out, lse,
-        heads, dim, d_v, width,
+        kv.shape[0], heads, dim, d_v, width,
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
         scale,
         HAS_SINK=sinks is not None, BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, BLOCK_DV=b.dv, PREC=_prec(q),
@@ -99,8 +104,14 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _prepare(q: Tensor, kv: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q with unit channel stride, kv contiguous, indices int32 contiguous."""
+    """q with unit channel stride, kv contiguous, indices int32 contiguous.
+
+    Wider indices are clamped to ``[-1, N]`` first (both ends padding for the kernels), so an
+    int64 index such as ``2**32 + 1`` cannot wrap to a valid int32 row.
+    """
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if indices.dtype != torch.int32:
+        indices = indices.clamp(-1, kv.shape[0])
     return q, kv.contiguous(), indices.to(torch.int32).contiguous()
 
 
@@ -112,7 +123,8 @@ def sparse_attention_op(
 
     Args:
         q: [T, H, D] fp16/bf16/fp32. kv: [N, D], dtype of q. indices: [T, K] int in ``[-1, N)``
-            (-1 padding anywhere; duplicates count as separate keys). sinks: [H] float or None.
+            (-1 padding anywhere; duplicates count as separate keys; any other value outside
+            ``[0, N)`` is padding too: never read, no gradient). sinks: [H] float or None.
         scale: score scale. d_v: value channels (``<= D``). deterministic: dkv without atomics
             in the backward (the forward is the same).
 
@@ -131,13 +143,14 @@ def _(q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor | None, scale: float
 
 
 def inverted_index(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-    """``(pair_t [P] int32, row_ptr [N + 1] int32)``: the query rows listing each kv row, in (t, k) order.
+    """``(pair_t [P'] int32, row_ptr [N + 1] int32)``: the query rows listing each kv row, in (t, k) order.
 
-    ``indices``: [T, K] int, -1 padded. ``P`` counts the valid entries (duplicates included).
+    ``indices``: [T, K] int, -1 padded (any entry outside ``[0, num_rows)`` is padding).
+    ``pair_t[:row_ptr[N]]`` lists the valid entries (duplicates included); padding sorts after.
     A stable sort keeps each row's pairs in (t, k) order, so the key-major pass is deterministic.
     """
     flat = indices.reshape(-1).long()
-    key = torch.where(flat < 0, num_rows, flat)
+    key = torch.where((flat < 0) | (flat >= num_rows), num_rows, flat)
     order = torch.sort(key, stable=True).indices
     counts = torch.bincount(key, minlength=num_rows + 1)[:num_rows]
     row_ptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
@@ -147,19 +160,20 @@ def inverted_index(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
 
 def _launch_bwd(
     d_out: Tensor, q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, delta: Tensor, scale: float, d_v: int,
-    deterministic: bool,
+    deterministic: bool, dkv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(dq [T, H, D] fp32, dkv [N, D] fp32)."""
+    """(dq [T, H, D] fp32, dkv [N, D] fp32); ``dkv``: a zeroed contiguous fp32 [N, D] to fill (default: a new one)."""
     (num_q, heads, dim), width = q.shape, idx.shape[1]
     dq = torch.zeros((num_q, heads, dim), dtype=torch.float32, device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    if dkv is None:
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     if num_q == 0 or width == 0:
         return dq, dkv
     b, k = _blocks(q, d_v), _kernels()
     grid = (num_q, triton_cdiv(heads, b.h), triton_cdiv(dim, b.dc))
     k.sparse_bwd_kernel[grid](
         q, kv, idx, d_out, lse, delta, dq, dkv,
-        heads, dim, d_v, width,
+        kv.shape[0], heads, dim, d_v, width,
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), d_out.stride(0), d_out.stride(1),
         scale,
         ATOMIC_DKV=not deterministic, BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, BLOCK_DC=b.dc, PREC=_prec(q),
@@ -232,8 +246,8 @@ def selected_probs_op(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale
     """Head-summed probabilities ``P[t, k] = sum_h exp(scale * q[t, h] . kv[indices[t, k]] - lse[t, h])``.
 
     Args:
-        q: [T, H, D]. kv: [N, D]. indices: [T, K] int, -1 padded. lse: [T, H] (the sparse
-            attention's, sink included). scale: score scale.
+        q: [T, H, D]. kv: [N, D]. indices: [T, K] int, -1 padded (any entry outside ``[0, N)``
+            is padding). lse: [T, H] (the sparse attention's, sink included). scale: score scale.
 
     Returns:
         [T, K] fp32, 0 at padding. No autograd: pass detached inputs.
@@ -246,7 +260,7 @@ def selected_probs_op(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale
     b = _blocks(q, kv.shape[1])
     _kernels().selected_probs_kernel[(num_q, triton_cdiv(width, b.k))](
         q, kv, idx, lse.float().contiguous(), out,
-        heads, dim, width,
+        kv.shape[0], heads, dim, width,
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
         scale,
         BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, PREC=_prec(q), num_warps=b.warps,
@@ -287,7 +301,8 @@ def indexer_topk_op(
 
     Args:
         q: [T, H_I, D_I]. k: [N_c, D_I], dtype of q. weights: [T, H_I]. start, end: [T] int:
-            query ``t`` picks among rows ``[start[t], end[t])``. topk: entries per row.
+            query ``t`` picks among rows ``[start[t], end[t])``, both clamped to ``[0, N_c]``
+            (no key row past ``k``'s end is ever scored). topk: entries per row.
         block_size: queries per block and entries per chunk.
 
     Returns:
@@ -296,12 +311,13 @@ def indexer_topk_op(
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     k, weights = k.contiguous(), weights.contiguous()
+    start, end = start.clamp(0, k.shape[0]), end.clamp(0, k.shape[0])  # in range: no row past k's end
     start32, end32 = start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
     scores = torch.full((q.shape[0], topk), NEG_INF, dtype=torch.float32, device=q.device)
     indices = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
     for t0 in range(0, q.shape[0], block_size):
         rows = slice(t0, t0 + block_size)
-        lo, hi = max(int(start[rows].min()), 0), int(end[rows].max())  # host sync (op body)
+        lo, hi = int(start[rows].min()), int(end[rows].max())  # host sync (op body)
         best_s, best_i = scores[rows], indices[rows]
         for j0 in range(lo, hi, block_size):
             width = min(block_size, hi - j0)
