@@ -233,7 +233,8 @@ def plan_attention(
         prev_blocks: per ratio, how many earlier blocks of the same document each entry's
             compressor reads (a compressor declares it as ``compressor.prev_blocks``); default
             DeepSeek-V4's: 1 for ratio 4 (the overlapping compressor), 0 otherwise. A layer whose
-            compressor reads more than planned raises before any collective.
+            compressor or indexer declares more (``prev_blocks``) than planned raises before any
+            collective; what it actually reads is not checked.
         group: the CP process group (``torch.distributed.group.WORLD`` for the default group),
             or ``None`` (default) to plan without communication. With a group,
             ``cp_size``/``cp_rank`` must be the group's, and (``check_ranks=True``, the default)
