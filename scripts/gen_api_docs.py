@@ -6,17 +6,20 @@ Usage::
     python scripts/gen_api_docs.py --check    # exit 1 if docs/api.md is not what this script generates
 
 The public API is ``cpkv.__all__`` (grouped by the module that defines each name; type
-aliases such as ``Layout`` by :data:`ALIAS_MODULES`) plus the ``__all__`` of ``cpkv.v4``,
-``cpkv.backends`` and ``cpkv.backends.reference`` and the listed names of ``cpkv.plan``,
-``cpkv.indexer_loss``, ``cpkv.launch`` and ``cpkv.commstats``. The notebooks' helpers
-(``examples/cp_helpers.py``) are not part of the package and not documented here. The output depends only on the code (names,
-signatures, docstrings), never on the machine, the time or dictionary order, so the check is
-stable; tests/test_docs.py runs it in CI.
+aliases such as ``Layout`` by :data:`ALIAS_MODULES`), then the modules of :data:`EXTRA_MODULES`
+(their ``__all__`` or the listed names), then every other name in the ``__all__`` of a public
+module (no ``_`` in its dotted name) that is not documented yet, in the section of that
+module. So every name a public module exports is here; importing the modules needs neither
+torch_npu, triton, transformers nor a GPU (they are imported lazily). The notebooks' helpers
+(``examples/cp_helpers.py``) are not part of the package and not documented here. The output
+depends only on the code (names, signatures, docstrings), never on the machine, the time or
+dictionary order, so the check is stable; tests/test_docs.py runs it in CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import enum
 import importlib
 import inspect
@@ -60,9 +63,13 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.v4", None),
     ("cpkv.backends", None),
     ("cpkv.backends.reference", None),
-    ("cpkv.indexer_loss", ["attach_indexer_loss", "IndexerLoss"]),
+    ("cpkv.backends.cuda", None),
+    ("cpkv.backends.triton", None),
+    ("cpkv.backends.npu", None),
+    ("cpkv.indexer_loss", None),
     ("cpkv.index_keys", ["round_index_keys", "exchange_index_keys", "INDEX_KEY_DTYPES"]),
     ("cpkv.integrations.megatron", None),
+    ("cpkv.integrations.transformers", None),
     ("cpkv.launch", ["spawn", "RankError"]),
     ("cpkv.commstats", ["count_bytes", "ByteCounter"]),
 ]
@@ -111,7 +118,8 @@ def signature(obj: Callable[..., Any], name: str, *, returns: bool = True, metho
             seen_kw_only = True
         if param.kind is param.VAR_POSITIONAL:
             seen_kw_only = True
-        prefix = {param.VAR_POSITIONAL: "*", param.VAR_KEYWORD: "**"}.get(param.kind, "")
+        stars: dict[Any, str] = {param.VAR_POSITIONAL: "*", param.VAR_KEYWORD: "**"}
+        prefix = stars.get(param.kind, "")
         text = prefix + param.name
         annotation = _annotation(param.annotation)
         if annotation:
@@ -185,8 +193,21 @@ def _members(cls: type) -> Iterable[tuple[str, Any]]:
                 yield name, value
 
 
+def _custom_op(obj: Any) -> tuple[Callable[..., Any], str] | None:
+    """``(the decorated function, "namespace::name")`` of a ``torch.library.custom_op``, else None."""
+    function, name = getattr(obj, "_init_fn", None), getattr(obj, "_qualname", None)
+    if type(obj).__name__ == "CustomOpDef" and callable(function) and isinstance(name, str):
+        return function, name
+    return None
+
+
 def document(qualname: str, obj: Any) -> list[str]:
     """The Markdown section of one public name."""
+    op = _custom_op(obj)
+    if op is not None:  # document the function it wraps (CustomOpDef's own docstring is torch's)
+        function, op_name = op
+        lines = document(qualname, function)
+        return [*lines, f"A `torch.library` custom op, also `torch.ops.{op_name.replace('::', '.')}`.", ""]
     is_alias = typing.get_origin(obj) is not None  # Literal[...] and other typing aliases
     kind = "class" if inspect.isclass(obj) else "function" if callable(obj) and not is_alias else "data"
     lines = [f"### `{qualname}`", ""]
@@ -233,7 +254,35 @@ def collect() -> list[tuple[str, str, list[tuple[str, Any]]]]:
         module = importlib.import_module(module_name)
         chosen = names if names is not None else sorted(module.__all__)
         result.append((module_name, inspect.getdoc(module) or "", [(f"{module_name}.{n}", getattr(module, n)) for n in chosen]))
+    documented = {id(obj) for _, _, items in result for _, obj in items}
+    sections = {module: items for module, _, items in result}
+    for module_name in public_modules():
+        module = importlib.import_module(module_name)
+        missing = [(f"{module_name}.{n}", getattr(module, n)) for n in sorted(module.__all__)]
+        missing = [(q, obj) for q, obj in missing if id(obj) not in documented]
+        documented |= {id(obj) for _, obj in missing}
+        if missing and module_name in sections:
+            sections[module_name].extend(missing)
+        elif missing:
+            sections[module_name] = missing
+            result.append((module_name, inspect.getdoc(module) or "", missing))
     return result
+
+
+def public_modules() -> list[str]:
+    """The dotted names of cpkv's public modules that declare ``__all__``, sorted (read from the source, not imported)."""
+    package = ROOT / "cpkv"
+    names: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if any(part.startswith("_") for part in parts):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+               for node in tree.body):
+            names.append(".".join(parts))
+    return sorted(names)
 
 
 def render() -> str:
@@ -248,7 +297,7 @@ def render() -> str:
         " run `python scripts/gen_api_docs.py` (CI runs it with --check). -->",
         "",
         f"cpkv {cpkv.__version__}. Everything below is importable as shown; the names under `cpkv.*` are "
-        "`cpkv.__all__`. Conventions (leading-zero `cu_seqlens`, Ascend `actual_seq_*`, layouts, groups) "
+        "`cpkv.__all__`, and every name in the `__all__` of a public module is here. Conventions (leading-zero `cu_seqlens`, Ascend `actual_seq_*`, layouts, groups) "
         "are explained in [conventions.md](conventions.md), what every operation computes in "
         "[semantics.md](semantics.md), how the modules fit together in [design.md](design.md).",
         "",

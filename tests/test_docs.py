@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import re
 import subprocess
@@ -48,6 +50,60 @@ def test_api_reference_documents_every_public_name() -> None:
     text = (DOCS / "api.md").read_text(encoding="utf-8")
     missing = [name for name in cpkv.__all__ if f"### `cpkv.{name}`" not in text]
     assert not missing
+
+
+def _public_modules() -> list[str]:
+    """cpkv's modules with no ``_`` in their dotted name that assign ``__all__`` (read from the source)."""
+    found = []
+    for path in sorted((ROOT / "cpkv").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        declares = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets) for n in tree.body)
+        if declares and not any(part.startswith("_") for part in parts):
+            found.append(".".join(parts))
+    return found
+
+
+def _resolve(qualname: str) -> object:
+    """The object a documented ``package.module.name`` heading names (its longest importable module prefix)."""
+    parts = qualname.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(qualname)
+
+
+def test_api_reference_documents_every_public_module_name() -> None:
+    """Every name in a public module's ``__all__`` has a section, under that module or wherever the same object is."""
+    headings = re.findall(r"^### `([\w.]+)`", (DOCS / "api.md").read_text(encoding="utf-8"), flags=re.M)
+    modules = _public_modules()
+    assert {"cpkv.backends.cuda", "cpkv.backends.npu", "cpkv.integrations.transformers"} <= set(modules)
+    missing = []
+    for name in modules:
+        module = importlib.import_module(name)
+        for attr in module.__all__:
+            obj = getattr(module, attr)
+            if not any(h.rsplit(".", 1)[-1] == attr and _resolve(h) is obj for h in headings):
+                missing.append(f"{name}.{attr}")
+    assert not missing, "regenerate with: python scripts/gen_api_docs.py"
+
+
+def test_public_modules_import_without_optional_dependencies() -> None:
+    """Importing every public module (what the API reference does) loads neither torch_npu, triton nor transformers."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {_public_modules()!r}: importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch_npu', 'triton', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,15 @@ from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.memory import LayerDims, layer_memory
 from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
 from cpkv.bench.traffic import Dims, Traffic, layer_traffic, lognormal_cu_seqlens, need_plan, physical_limit
-from cpkv.bench.walltime import ring_times, wall_times
+from cpkv.bench.walltime import WALL_WINDOW, ring_times, wall_times
 
-MODE_NAMES = {0: "NO_COMPRESS (window 128)", 4: "INDEXER (ratio 4)", 128: "COMPRESSOR_ONLY (ratio 128)"}
+MODE_NAMES = {4: "INDEXER (ratio 4)", 128: "COMPRESSOR_ONLY (ratio 128)"}
 TARGETS = {0: 1 / 1000, 4: 1 / 16, 128: 1 / 200}
+
+
+def mode_name(ratio: int, window: int) -> str:
+    """The table label of a layer kind: ``NO_COMPRESS (window W)`` for ratio 0, else its mode and ratio."""
+    return f"NO_COMPRESS (window {window})" if ratio == 0 else MODE_NAMES.get(ratio, str(ratio))
 
 
 def _load() -> str:
@@ -148,15 +153,16 @@ def _scaling_lines(scaling: list[dict[str, object]], args: argparse.Namespace) -
     lines = [
         "", "## Scaling: forward bytes of the busiest rank vs the physical limit", "",
         f"{args.tokens_per_rank:,} tokens per rank; packed documents log-normal (mean {args.mean_doc:,}), {args.seeds} seeds"
-        " (max and mean over seeds: the maximum is set by the longest document that straddles a boundary).", "",
-        "| scenario | cp | layer | need MiB max (mean) | limit MiB max (mean) | need / limit (worst seed) | need / allgather |",
+        " (max and mean over seeds: the maximum is set by the longest document that straddles a boundary)."
+        " Forward bytes only, `need / allgather` included.", "",
+        "| scenario | cp | layer | need MiB max (mean) | limit MiB max (mean) | need / limit (worst seed) | need / allgather (fwd) |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in scaling:
         need, limit = [float(v) for v in row["need"]], [float(v) for v in row["limit"]]  # type: ignore[attr-defined]
         worst = max((_n / _l if _l else (1.0 if _n == 0 else float("inf"))) for _n, _l in zip(need, limit))
         lines.append(
-            f"| {row['scenario']} | {row['cp']} | {MODE_NAMES.get(int(str(row['ratio'])), row['ratio'])} |"
+            f"| {row['scenario']} | {row['cp']} | {mode_name(int(str(row['ratio'])), Dims().window)} |"
             f" {_mib(max(need))} ({_mib(sum(need) / len(need))}) | {_mib(max(limit))} ({_mib(sum(limit) / len(limit))}) |"
             f" {worst:.3f} | {max(need) / max(float(str(row['allgather'])), 1.0):.2e} |"
         )
@@ -182,7 +188,8 @@ def _key_dtype_lines(rows: list[dict[str, object]], args: argparse.Namespace) ->
         f"INDEXER layer (ratio 4), one document, cp {args.key_cp}, {args.tokens_per_rank:,} tokens per rank, busiest rank,"
         " forward bytes received, as a fraction of MindSpeed's all-gather of kv and hidden states. float8 is e4m3 with"
         " one fp32 scale per key (D + 4 bytes a key).", "",
-        "| key dtype | need MiB | limit MiB | need / limit | need / allgather | limit / allgather |", "|---|---|---|---|---|---|",
+        "| key dtype | need MiB | limit MiB | need / limit | need / allgather (fwd) | limit / allgather (fwd) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         need, limit, gathered = (float(str(row[k])) for k in ("need", "limit", "allgather"))
@@ -206,7 +213,7 @@ def _memory_lines(memory: dict[str, tuple[int, int]]) -> list[str]:
     ]
     for ratio in sorted({int(k.split("/")[0]) for k in memory}):
         (ca, pa), (cn, pn) = memory[f"{ratio}/allgather"], memory[f"{ratio}/need"]
-        lines.append(f"| {MODE_NAMES.get(ratio, ratio)} | {_mib(ca)} / {_mib(cn)} | {_mib(pa)} / {_mib(pn)} |")
+        lines.append(f"| {mode_name(ratio, d.window)} | {_mib(ca)} / {_mib(cn)} | {_mib(pa)} / {_mib(pn)} |")
     return lines
 
 
@@ -228,14 +235,17 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
         f" {args.tokens_per_rank:,} tokens per rank. Counted on the real collective calls of the exchange code"
         " (`gather_from_sp_cp` / `exchange_rows`) run on meta tensors of the true sizes in a fake process group;"
         " `allgather` is MindSpeed's scheme (kv, plus hidden states for compressed layers, gathered; prefix"
-        " re-compressed on every rank). MiB; max and mean over ranks; `need/allgather` compares the busiest ranks.", "",
+        " re-compressed on every rank). `allgather max`, `need max`, `need mean` and `need/allgather (fwd+bwd)` count the"
+        " bytes received in forward + backward (MiB; max and mean over ranks; `need/allgather` = need max / allgather"
+        " max, the busiest ranks).", "",
         "`limit` is the physical minimum, computed from the document lengths and the layer's reach alone"
         " (`physical_limit` in `cpkv/bench/traffic.py`, independent of the exchange code): the W-1 kv rows before the"
         f" rank's first token within its document, plus for compressed layers the entries of that document owned by"
-        f" earlier ranks, their indexer keys ({dims_key} on the wire, as the exchange sends them today) and the hidden"
+        f" earlier ranks, their indexer keys ({dims_key} on the wire: `AttentionSpec.index_key_dtype=None` sends the"
+        " indexer's compute dtype, float32 for bf16 inputs; the next table compares key dtypes) and the hidden"
         " rows the block straddling the boundary reads. `fwd busiest` = forward bytes of the busiest rank;"
         " `fwd+bwd all` = forward + backward summed over ranks (the limit counts each forward row's gradient once).", "",
-        "| scenario | cp | layer | allgather max | need max | need mean | need/allgather | target |"
+        "| scenario | cp | layer | allgather max | need max | need mean | need/allgather (fwd+bwd) | target |"
         " fwd busiest: need / limit MiB | ratio | fwd+bwd all: need / limit MiB | ratio | prefix copy MiB (allgather / need) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -247,7 +257,7 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
         fwd, fwd_limit = float(str(row["need_fwd_max"])), float(str(row["limit_fwd_max"]))
         both, both_limit = float(str(row["need_total"])), float(str(row["limit_total"]))
         lines.append(
-            f"| {row['scenario']} | {row['cp']} | {MODE_NAMES.get(ratio, ratio)} | {_mib(row['allgather_max'])} |"
+            f"| {row['scenario']} | {row['cp']} | {mode_name(ratio, Dims().window)} | {_mib(row['allgather_max'])} |"
             f" {_mib(row['need_max'])} | {_mib(row['need_mean'])} | {share:.2e} |"
             f" <= {target:.2e} ({verdict if row['cp'] == 8 else 'cp 8 only'}) |"
             f" {_mib(fwd)} / {_mib(fwd_limit)} | {_ratio(fwd, fwd_limit)} | {_mib(both)} / {_mib(both_limit)} |"
@@ -283,21 +293,22 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
     if walls:
         lines += [
             "", "## Wall time, forward + backward, CPU gloo", "",
-            f"The small V4-style layer (hidden 64, 4 heads, window 128) at cp {args.wall_cp}, {args.wall_tokens:,} packed"
+            f"The small V4-style layer (hidden 64, 4 heads, window {WALL_WINDOW}) at cp {args.wall_cp}, {args.wall_tokens:,} packed"
             " log-normal tokens, reference backend; slowest rank, best of 3. Two cores shared by all ranks.", "",
             "| layer | allgather s | need s | allgather / need |", "|---|---|---|---|",
         ]
         for ratio in args.ratios:
             a, n = walls[f"{ratio}/allgather"], walls[f"{ratio}/need"]
-            lines.append(f"| {MODE_NAMES.get(ratio, ratio)} | {a:.3f} | {n:.3f} | {a / n:.2f}x |")
+            lines.append(f"| {mode_name(ratio, WALL_WINDOW)} | {a:.3f} | {n:.3f} | {a / n:.2f}x |")
     if rings:
         lines += [
             "", "## ring_degree: rounds of the kv exchange", "",
             f"Dense causal V4-style layer (hidden 64, head dim 32, fp32) at cp {args.wall_cp}, {args.wall_tokens:,} tokens"
             " in long log-normal documents, `exchange=\"need\"`. Largest round = received kv of the largest single"
             " round (R = 1: the whole halo), busiest rank, from the plan's routes (which the bytes test checks against"
-            " counted traffic). Rounds run one after the other (no prefetch of the next round), so this is the remote"
-            " kv held at once. Wall time: forward + backward, slowest rank, best of 3.", "",
+            " counted traffic). Rounds run one after the other (no prefetch of the next round), so this is the most remote"
+            " kv one collective receives; without autograd it is also the remote kv held at once (with autograd every"
+            " round's rows stay saved for the backward). Wall time: forward + backward, slowest rank, best of 3.", "",
             "| ring_degree | largest round kv rows | largest round kv bytes | vs R=1 | fwd+bwd s |", "|---|---|---|---|---|",
         ]
         base = rings["1/round_rows"] or 1.0
@@ -326,7 +337,7 @@ def plot(traffic: list[dict[str, object]], path: Path) -> bool:
             cps = [int(str(r["cp"])) for r in rows]
             for strategy, style in (("allgather", "--"), ("need", "-")):
                 ax.plot(cps, [float(str(r[f"{strategy}_max"])) / 2**20 for r in rows], style, marker="o",
-                        label=f"{MODE_NAMES.get(ratio, ratio)}, {strategy}")
+                        label=f"{mode_name(ratio, Dims().window)}, {strategy}")
         cps_all = sorted({int(str(r["cp"])) for r in traffic})
         ax.set_xscale("log", base=2)
         ax.set_xticks(cps_all, [str(c) for c in cps_all])
@@ -340,7 +351,8 @@ def plot(traffic: list[dict[str, object]], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's options (``--smoke`` shrinks the sizes); the defaults are those of docs/benchmarks.md."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-per-rank", type=int, default=131072)
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
@@ -362,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.tokens_per_rank, args.cps, args.mean_doc, args.plan_docs, args.wall_tokens = 512, [2, 3], 64, 256, 192
         args.scaling_cps, args.seeds, args.plan_repeats, args.key_cp = [4], 2, 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success."""
+    args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
     print("planning ...", file=sys.stderr)

@@ -12,6 +12,9 @@ from cpkv.plan.attention import AttentionPlan, plan_attention
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
+WALL_WINDOW = 128
+"""The sliding window of the wall-time layers (every kind; DeepSeek-V4-Flash's)."""
+
 
 def _best_seconds(layer: V4Attention, x: torch.Tensor, plan: AttentionPlan, world: int, rank: int, repeats: int) -> float:
     """Best-of-``repeats`` seconds of forward + backward on this rank, ranks aligned by barriers."""
@@ -31,12 +34,12 @@ def _rank_times(rank: int, world: int, cu: torch.Tensor, ratios: list[int], repe
     times: dict[str, float] = {}
     compressed = [r for r in ratios if r > 1]
     plans = {  # once per micro-batch, shared by every layer kind
-        exchange: plan_attention(cu, world, rank, exchange=exchange, compress_ratios=compressed, windows=[128])
+        exchange: plan_attention(cu, world, rank, exchange=exchange, compress_ratios=compressed, windows=[WALL_WINDOW])
         for exchange in ("allgather", "need")
     }
     x = torch.randn(int(cu[-1]), 64, generator=torch.Generator().manual_seed(0))
     for ratio in ratios:
-        layer = V4Attention(V4Config(compress_ratio=ratio, window=128, topk=64), seed=0)
+        layer = V4Attention(V4Config(compress_ratio=ratio, window=WALL_WINDOW, topk=64), seed=0)
         for exchange, plan in plans.items():
             times[f"{ratio}/{exchange}"] = _best_seconds(layer, x, plan, world, rank, repeats)
     return times

@@ -238,8 +238,8 @@ def plan_attention(
         prev_blocks: a mapping ``{ratio: blocks}``: how many earlier blocks of the same document
             each entry's compressor reads (a compressor declares it as
             ``compressor.prev_blocks``); default DeepSeek-V4's: 1 for ratio 4 (the overlapping
-            compressor), 0 otherwise. A layer whose compressor *declares* more than planned
-            raises before any collective (what a compressor actually reads is not checked).
+            compressor), 0 otherwise. A layer whose compressor or indexer declares more than
+            planned raises before any collective; what it actually reads is not checked.
         check_modules: compressed layer calls check what every rank's compressor and indexer
             returned (entry count and width, key width, query shapes) and agree on the outcome
             with one all-reduce of two integers and a host read before any entry moves, so a
