@@ -74,6 +74,17 @@ def _bad_calls(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
         ("index_features", lambda: attention_forward(
             q, kv, need, None, spec=AttentionSpec(d_v=24, window=4, compress_ratio=4), hidden=x,
             compressor=cmp_layer.compressor, indexer=cmp_layer.indexer, index_features=x[1:])),
+        ("spec.scale must be a finite positive", lambda: attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=24, scale=float("inf")))),
+        ("spec.scale must be a finite positive", lambda: attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=24, scale=float("nan")))),
+        ("grad_scale must be a finite", lambda: attention_forward(q, kv, plan, None, spec=SPEC, grad_scale=float("inf"))),
+        # plan_attention: containers and bounds named, under either exchange
+        ("windows must be a sequence", lambda: plan_attention(CU, world, rank, exchange="need", windows=8)),  # type: ignore[arg-type]
+        ("compress_ratios must be a sequence", lambda: plan_attention(CU, world, rank, compress_ratios=4)),  # type: ignore[arg-type]
+        ("prev_blocks must be a mapping", lambda: plan_attention(CU, world, rank, compress_ratios=[4], prev_blocks=[1])),  # type: ignore[arg-type]
+        ("prev_blocks must be a mapping", lambda: plan_attention(CU, world, rank, compress_ratios=[4], prev_blocks=-1)),  # type: ignore[arg-type]
+        ("prev_blocks[4] must be >= 0", lambda: plan_attention(CU, world, rank, compress_ratios=[4], prev_blocks={4: -1})),
+        ("windows[0] must be >= 1", lambda: plan_attention(CU, world, rank, windows=[0])),
+        ("windows[1] must be >= 1", lambda: plan_attention(CU, world, rank, windows=[4, -1])),
         # plan_attention with a group
         ("do not match the group", lambda: plan_attention(CU, world, (rank + 1) % world if world > 1 else 1, group=dist.group.WORLD)),
         ("prev_blocks names ratios", lambda: plan_attention(CU, world, rank, prev_blocks={8: 1}, group=dist.group.WORLD)),
@@ -100,6 +111,9 @@ def _disagreeing_ranks(rank: int, world: int) -> list[str]:
         # same cu_seqlens, other options
         lambda: plan_attention(CU, world, rank, compress_ratios=[4] if rank == 0 else [8], group=dist.group.WORLD),
         lambda: plan_attention(CU, world, rank, exchange="need", windows=[4 + rank], group=dist.group.WORLD),
+        # rank 1 given 36 tokens and rank 0 32 (cp 2): without group= this completed with wrong numbers
+        lambda: plan_attention(torch.tensor([0, (36 if rank == 1 else 32) * world]), world, rank, exchange="need",
+                               group=dist.group.WORLD),
         # a different number of documents
         lambda: plan_attention(torch.tensor([0, 24]) if rank == 0 else CU, world, rank, group=dist.group.WORLD),
     ]
