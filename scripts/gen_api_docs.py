@@ -67,6 +67,7 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.backends.triton", None),
     ("cpkv.backends.npu", None),
     ("cpkv.indexer_loss", None),
+    ("cpkv.agreement", ["agree", "agree_in_order", "group_device"]),
     ("cpkv.index_keys", ["round_index_keys", "exchange_index_keys", "INDEX_KEY_DTYPES"]),
     ("cpkv.integrations.megatron", None),
     ("cpkv.integrations.transformers", None),

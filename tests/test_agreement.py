@@ -19,6 +19,7 @@ correct one (the group still works). Every rank's outcome is asserted.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
 CU = torch.tensor([0, 5, 12, 16, 24])
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Spoiled:
@@ -163,6 +165,9 @@ def _assert_agreed(outcomes: list[list[tuple[str, str]]], failing: int | None, w
 def test_plan_fails_on_every_rank_when_one_rank_is_invalid(per_rank: Results) -> None:
     world, results = per_rank
     _assert_agreed([r["plan"] for r in results], world - 1, world)
+    windows = [name for name, _ in results[0]["plan"]].index("windows[0] must be >= 1")
+    if world == 2:  # docs/troubleshooting.md quotes what rank 0 raises
+        assert results[0]["plan"][windows][1] in (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
     assert len({r["ok"][0] for r in results}) == 1
 
 

@@ -146,15 +146,33 @@ def _forward(t: int, plan: object, spec: AttentionSpec = SPEC, group: object = N
     return attention_forward(torch.zeros(t, 2, 8), torch.zeros(t, 8), plan, group, spec=spec, **kwargs)  # type: ignore[arg-type]
 
 
-def _layer_call(plan: object, hidden_width: int = 64, compressor: object = None) -> object:
+def _layer_call(
+    plan: object, hidden_width: int = 64, compressor: object = None, indexer: object = None, features_width: int | None = None,
+) -> object:
     """An INDEXER layer call of the docs' running example with the V4 layer's modules."""
     layer = V4Attention(V4Config(compress_ratio=4, window=16))
     x = torch.randn(int(CU[-1]), 64)
     q, kv = layer.project(x, torch.zeros(int(CU[-1]), dtype=torch.int64))
     return attention_forward(
         q, kv, plan, None, spec=AttentionSpec(d_v=24, window=16, compress_ratio=4), hidden=x[:, :hidden_width],  # type: ignore[arg-type]
-        compressor=compressor or layer.compressor, indexer=layer.indexer,  # type: ignore[arg-type]
+        compressor=compressor or layer.compressor, indexer=indexer or layer.indexer,  # type: ignore[arg-type]
+        index_features=None if features_width is None else x[:, :features_width],
     )
+
+
+class _HalfWidth:
+    """A compressor that returns entries half as wide as kv."""
+
+    def __init__(self) -> None:
+        self.inner = V4Attention(V4Config(compress_ratio=4, window=16)).compressor
+        assert self.inner is not None
+        self.ratio, self.prev_blocks, self.input_dim = self.inner.ratio, self.inner.prev_blocks, self.inner.input_dim
+
+    def __call__(self, x: torch.Tensor, plan: object) -> torch.Tensor:
+        assert self.inner is not None
+        entries = self.inner(x, plan)  # type: ignore[arg-type]
+        assert entries is not None
+        return entries[:, :16]
 
 
 ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
@@ -184,6 +202,10 @@ ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), hidden_width=32))),
     (TypeError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), compressor=lambda x, p: None))),
     (TypeError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0), group="cp"))),
+    (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), compressor=_HalfWidth()))),
+    (TypeError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]),
+                                                indexer=V4Attention(V4Config(compress_ratio=4)).compressor))),
+    (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), features_width=32))),
     (TypeError, lambda: global_num_seqs(torch.tensor(True), None)),
 ]
 
