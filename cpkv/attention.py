@@ -270,7 +270,8 @@ def _run_modules(
             key_dtype = torch.promote_types(inputs.dtype, torch.float32)
             keys = _concat(key_parts).to(key_dtype) if key_parts else inputs.new_zeros((0, indexer.key_dim), dtype=key_dtype)
     queries = None
-    if keys is not None and indexer is not None:
+    sees_entries = bool(entries) or (halo is not None and plan.compressed[ratio].entries.num_recv > 0)
+    if keys is not None and indexer is not None and sees_entries:
         q_index, weights = indexer.queries(features.detach(), plan.q_positions)
         queries = _checked_queries(indexer, q_index, weights, plan.local_len)
     return _Computed(entries, keys, queries)
