@@ -19,6 +19,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Before any init_process_group, on purpose: the first call of a custom op (ours below)
+# imports torch._dynamo, which imports torch.distributed.nn, whose functions bind
+# ``group=group.WORLD`` as default arguments when defined. Imported after init, they would
+# keep the default group alive past destroy_process_group, and its gloo worker threads can
+# then abort the process at exit ("terminate called without an active exception"; see
+# docs/troubleshooting.md, "A finished job aborts at exit").
+import torch.distributed.nn  # noqa: F401
 from torch import Tensor
 from torch.distributed import ProcessGroup
 

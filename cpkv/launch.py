@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before init_process_group: see cpkv.collectives)
 
 
 class RankError(RuntimeError):
