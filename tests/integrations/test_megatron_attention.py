@@ -11,6 +11,10 @@ the *unpadded* batch. The padding rows of the cp run hold random junk. Compared:
 rows' outputs, the real rows' input gradients (padding rows must get exactly zero), and
 every parameter gradient summed over the CP ranks (what CP gradient reduction computes).
 The loss is ``sum(out[real] * w)`` with fixed random ``w``, so every output row feeds it.
+The block check runs two micro-batches, each with its plan carried in its
+``packed_seq_params`` (``with_plan``), both forwards under activation checkpointing before one
+backward. A V4 INDEXER layer (cpkv.v4) at cp 2 on a padded batch planned from
+``PackedSeqParams`` checks that padding does not count in the indexer loss.
 
 The zigzag rows are written here with plain loops over documents (TransformerEngine's
 ``thd_get_partitioned_indices``: rank r holds chunks r and 2cp-1-r of every padded document),
@@ -19,29 +23,32 @@ independently of cpkv's sharding.
 Megatron's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``;
 on CPU the tests compute the same embedding with its ``get_freqs_non_repeated``, and, around
 MLA (which builds and runs its own RotaryEmbedding), make ``torch.cuda.current_device()``
-return the CPU. TransformerEngine is not
-installed: the local spec is Megatron's pure-torch one.
+return the CPU (and unset megatron-core's ``HAVE_TE`` flag of MLA, wrongly set without
+TransformerEngine). TransformerEngine is not installed: the local spec is Megatron's
+pure-torch one.
 
 Tolerance (float64, eps = 2.2e-16): every compared value is O(1) and a sum of at most a few
 thousand O(1) products, computed in other orders on the two sides (online softmax merged by
 LSE vs one dense softmax, rank sums of gradients), so rounding differences stay below
-~1e3 * eps ~ 2e-13; 1e-11 leaves margin, while any semantic error (a key too many or too
-few, another window, a missing sink, padding leaking into a real row) moves results by
-more than 1e-4.
+~1e3 * eps ~ 2e-13 (measured: <= 7.1e-15); 1e-11 leaves margin, while any semantic error
+(a key too many or too few, another window, a missing sink, another head-to-group map,
+padding counted in the indexer loss) moves results by more than 1e-4.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from cpkv.launch import spawn
 
@@ -52,12 +59,15 @@ from cpkv.integrations.megatron_attention import (  # noqa: E402
     PLAN_ATTRIBUTE, CPKVCoreAttention, megatron_window, plan_of, with_plan,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")  # megatron-core's TransformerConfig
+
 CP = 2
 TOL = 1e-11
 # Real lengths and TE-style padding to multiples of 2*CP: an empty document, documents
 # shorter than a chunk, one that is all padding (TE may pad an empty document).
 REAL = [5, 11, 0, 8, 3, 0, 6]
 PADDED = [8, 12, 0, 8, 4, 4, 8]
+REAL_2, PADDED_2 = [17, 2, 9], [20, 4, 12]  # a second micro-batch, laid out otherwise
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -166,22 +176,49 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, run_cp: Any, run_ref: Any,
-             x_full: torch.Tensor, w_full: torch.Tensor, group: Any) -> dict[str, float]:
-    """Run both sides and return the errors of this rank (outputs, input grads, summed param grads)."""
-    unpadded, _ = _zigzag_rows(REAL, PADDED, CP, rank)
-    rows = torch.tensor(unpadded)
-    real = torch.nonzero(rows >= 0).flatten()
-    pad = torch.nonzero(rows < 0).flatten()
-    gen = torch.Generator().manual_seed(100 + rank)
-    x_local = torch.randn(rows.numel(), *x_full.shape[1:], generator=gen, dtype=x_full.dtype) * 3  # padding: junk
-    x_local[real] = x_full[rows[real]]
-    x_local.requires_grad_(True)
-    out = run_cp(x_local)
-    (out[real] * w_full[rows[real]]).sum().backward()
-    x_ref = x_full.clone().requires_grad_(True)
-    ref = run_ref(x_ref)
-    (ref * w_full).sum().backward()
+class MicroBatch(NamedTuple):
+    """One micro-batch of a check: its documents, how each side runs it, its input and loss weights."""
+
+    real: list[int]
+    padded: list[int]
+    run_cp: Callable[[torch.Tensor], torch.Tensor]
+    run_ref: Callable[[torch.Tensor], torch.Tensor]
+    x_full: torch.Tensor  # [sum(real), ...] the unpadded batch's input
+    w_full: torch.Tensor  # its loss weights
+
+
+def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, batches: list[MicroBatch],
+             group: Any) -> dict[str, float]:
+    """Run every micro-batch forward on both sides, then one backward of their summed losses; this rank's errors.
+
+    Errors: of the real rows' outputs and input gradients, of every parameter gradient summed
+    over the CP ranks; and the largest input gradient of a padding row.
+    """
+    cp_loss, ref_loss, kept = 0.0, 0.0, []
+    for i, mb in enumerate(batches):
+        unpadded, _ = _zigzag_rows(mb.real, mb.padded, CP, rank)
+        rows = torch.tensor(unpadded)
+        real, pad = torch.nonzero(rows >= 0).flatten(), torch.nonzero(rows < 0).flatten()
+        gen = torch.Generator().manual_seed(100 + 10 * i + rank)
+        x_local = torch.randn(rows.numel(), *mb.x_full.shape[1:], generator=gen, dtype=mb.x_full.dtype) * 3  # junk
+        x_local[real] = mb.x_full[rows[real]]
+        x_local.requires_grad_(True)
+        x_ref = mb.x_full.clone().requires_grad_(True)
+        out, ref = mb.run_cp(x_local), mb.run_ref(x_ref)
+        cp_loss = cp_loss + (out[real] * mb.w_full[rows[real]]).sum()
+        ref_loss = ref_loss + (ref * mb.w_full).sum()
+        kept.append((rows, real, pad, x_local, x_ref, out, ref))
+    assert isinstance(cp_loss, torch.Tensor) and isinstance(ref_loss, torch.Tensor)
+    cp_loss.backward()
+    ref_loss.backward()
+    errors = {"out": 0.0, "dx": 0.0, "dx_padding": 0.0, "padding_rows": 0.0, "out_scale": 0.0}
+    for rows, real, pad, x_local, x_ref, out, ref in kept:
+        assert x_local.grad is not None and x_ref.grad is not None
+        errors["out"] = max(errors["out"], _max_err(out[real], ref.detach()[rows[real]]))
+        errors["dx"] = max(errors["dx"], _max_err(x_local.grad[real], x_ref.grad[rows[real]]))
+        errors["dx_padding"] = max(errors["dx_padding"], float(x_local.grad[pad].abs().max()) if pad.numel() else 0.0)
+        errors["padding_rows"] += float(pad.numel())
+        errors["out_scale"] = max(errors["out_scale"], float(ref.detach().abs().max()))
     grads = dict(ref_module.named_parameters())
     param_err, checked = 0.0, 0
     for pname, param in cp_module.named_parameters():
@@ -192,16 +229,8 @@ def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, 
         assert ref_grad is not None, pname
         param_err = max(param_err, _max_err(summed, ref_grad))
         checked += 1
-    assert x_local.grad is not None and x_ref.grad is not None
-    return {
-        f"{name}/out": _max_err(out[real], ref.detach()[rows[real]]),
-        f"{name}/dx": _max_err(x_local.grad[real], x_ref.grad[rows[real]]),
-        f"{name}/dx_padding": float(x_local.grad[pad].abs().max()) if pad.numel() else 0.0,
-        f"{name}/dparams": param_err,
-        f"{name}/num_params": float(checked),
-        f"{name}/padding_rows": float(pad.numel()),
-        f"{name}/out_scale": float(ref.detach().abs().max()),
-    }
+    errors.update(dparams=param_err, num_params=float(checked))
+    return {f"{name}/{key}": value for key, value in errors.items()}
 
 
 def _groups(mc: SimpleNamespace, rank: int) -> tuple[Any, Any]:
@@ -253,16 +282,23 @@ def _gqa_layer_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dic
     gen = torch.Generator().manual_seed(7)
     x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
     w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-    return _compare(
-        "gqa", rank, layer, ref,
+    batch = MicroBatch(
+        REAL, PADDED,
         lambda x: layer(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params)[0],
         lambda x: ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)[0],
-        x_full, w_full, pgs[0].cp,
+        x_full, w_full,
     )
+    return _compare("gqa", rank, layer, ref, [batch], pgs[0].cp)
 
 
 def _block_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str, float]:
-    """A 2-layer TransformerBlock: MQA, layer 1 sliding (left 3) / layer 2 dense, off-by-one, one plan per micro-batch."""
+    """A 2-layer TransformerBlock: MQA, layer 1 sliding (left 3) / layer 2 dense, off-by-one; two micro-batches.
+
+    Each micro-batch is planned once and its plan carried in its packed_seq_params
+    (``with_plan``); the cp side runs both forwards under activation checkpointing
+    (``torch.utils.checkpoint``, non-reentrant) before one backward, so every recomputation
+    must find its own micro-batch's plan.
+    """
     options = dict(num_layers=2, num_query_groups=1, window_size=(3, 0), window_attn_skip_freq=2, softmax_type="off-by-one")
     spec = mc.get_gpt_layer_local_spec()
     cp_spec, ref_spec = copy.deepcopy(spec), copy.deepcopy(spec)
@@ -274,19 +310,28 @@ def _block_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[st
     block.load_state_dict(ref.state_dict())
     windows = [layer.self_attention.core_attention.window for layer in block.layers]
     assert windows == [4, None], windows
-    emb = _rope(mc, 6, max(PADDED))
-    params = _params(mc, REAL, PADDED)
-    carried = with_plan(params, plan_from_packed_seq_params(params, CP, rank))
-    params_ref = _params(mc, REAL, None)
     gen = torch.Generator().manual_seed(8)
-    x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-    w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-    return _compare(
-        "block", rank, block, ref,
-        lambda x: block(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=carried),
-        lambda x: ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref),
-        x_full, w_full, pgs[0].cp,
-    )
+    batches = []
+    for real, padded in ((REAL, PADDED), (REAL_2, PADDED_2)):
+        emb = _rope(mc, 6, max(padded))
+        params = _params(mc, real, padded)
+        carried = with_plan(params, plan_from_packed_seq_params(params, CP, rank))
+        params_ref = _params(mc, real, None)
+
+        def run_cp(x: torch.Tensor, emb: torch.Tensor = emb, carried: Any = carried) -> torch.Tensor:
+            out: torch.Tensor = checkpoint(
+                block, x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=carried, use_reentrant=False
+            )
+            return out
+
+        def run_ref(x: torch.Tensor, emb: torch.Tensor = emb, params_ref: Any = params_ref) -> torch.Tensor:
+            out: torch.Tensor = ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)
+            return out
+
+        x_full = torch.randn(sum(real), 1, 24, generator=gen, dtype=torch.float64)
+        w_full = torch.randn(sum(real), 1, 24, generator=gen, dtype=torch.float64)
+        batches.append(MicroBatch(real, padded, run_cp, run_ref, x_full, w_full))
+    return _compare("block", rank, block, ref, batches, pgs[0].cp)
 
 
 def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str, float]:
@@ -310,12 +355,13 @@ def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str,
         gen = torch.Generator().manual_seed(9)
         x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
         w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-        return _compare(
-            "mla", rank, layer, ref,
+        batch = MicroBatch(
+            REAL, PADDED,
             lambda x: layer(x, attention_mask=None, packed_seq_params=params)[0],
             lambda x: ref(x, attention_mask=None, packed_seq_params=params_ref)[0],
-            x_full, w_full, pgs[0].cp,
+            x_full, w_full,
         )
+        return _compare("mla", rank, layer, ref, [batch], pgs[0].cp)
 
 
 def _indexer_padding_case(rank: int, group: Any) -> dict[str, float]:
@@ -421,8 +467,9 @@ def test_layer_at_cp2_equals_the_unpadded_batch_in_one_process(cp_results: list[
         assert mine["dx_padding"] == 0.0, (rank, mine)  # padding rows feed nothing real: exactly zero
         if case != "indexer":
             assert mine["num_params"] >= 8 and mine["out_scale"] > 0.1, mine  # the comparison saw real values
-    if case != "indexer":  # every padding row of the batch was checked on some rank
-        assert sum(errors[f"{case}/padding_rows"] for errors in cp_results) == sum(PADDED) - sum(REAL)
+    if case != "indexer":  # every padding row of the batches was checked on some rank
+        padding = sum(PADDED) - sum(REAL) + (sum(PADDED_2) - sum(REAL_2) if case == "block" else 0)
+        assert sum(errors[f"{case}/padding_rows"] for errors in cp_results) == padding
 
 
 def test_padding_does_not_count_in_the_indexer_loss(cp_results: list[dict[str, float]]) -> None:
