@@ -157,8 +157,9 @@ class AttentionOutput(NamedTuple):
 
     Attributes:
         out: ``[T/cp, H, d_v]`` attention output of the rank's queries.
-        indexer_loss: ``sum_t KL_t`` over the rank's queries (0-d fp32, detached, for
-            logging) in INDEXER layers with entries, else ``None``.
+        indexer_loss: ``sum_t KL_t`` over the rank's real queries (padding rows named by
+            ``plan.valid_queries`` excluded; 0-d fp32, detached, for logging) in INDEXER layers
+            with entries, else ``None``.
         effective_ratio: the ratio actually used (1 when no entry exists on this rank).
     """
 
@@ -518,6 +519,8 @@ def attention_forward(
     if selected is not None and index is not None and spec.indexer_loss:
         with torch.no_grad():
             probs = ops.selected_probs(q.detach(), kv_all.detach(), cmp_rows, result.lse.detach(), scale=scale)
+        if plan.valid_queries is not None:  # padding queries select nothing in the KL loss (no value, no gradient)
+            selected = torch.where(plan.valid_queries.to(selected.device)[:, None], selected, -1)
         attached = attach_indexer_loss(
             result.out, index.q_index, index.k_index, index.weights, selected, probs,
             grad_scale=grad_scale, num_global_queries=plan.num_global_queries,

@@ -70,6 +70,7 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.agreement", ["agree", "agree_in_order", "group_device"]),
     ("cpkv.index_keys", ["round_index_keys", "exchange_index_keys", "INDEX_KEY_DTYPES"]),
     ("cpkv.integrations.megatron", None),
+    ("cpkv.integrations.megatron_attention", None),
     ("cpkv.integrations.transformers", None),
     ("cpkv.launch", ["spawn", "RankError"]),
     ("cpkv.commstats", ["count_bytes", "ByteCounter"]),

@@ -26,7 +26,6 @@ from torch import Tensor
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
 from cpkv.plan.attention import LAYOUTS, AttentionPlan, Layout, plan_attention
 from cpkv.plan.conventions import validate_cu_seqlens
-from cpkv.plan.sharding import contiguous_shard_range, zigzag_tnd_index
 
 __all__ = ["PackedPlan", "plan_from_packed_seq_params"]
 
@@ -95,9 +94,12 @@ def plan_from_packed_seq_params(
     (TransformerEngine's THD context parallelism) the batch is laid out in padded documents
     (real tokens first, padding at each document's end) and ``real_rows`` names the shard's
     real tokens; causal attention never lets a real token see the padding after it, so real
-    tokens' outputs equal the unpadded batch's. At ``cp_size == 1`` nothing is sharded: the
-    default is ``"contiguous"`` (the same token order as zigzag, without its length
-    requirement). ``layout="contiguous"`` at ``cp > 1`` (rank ``r`` holds packed tokens
+    tokens' outputs equal the unpadded batch's. The plan knows the padding
+    (:func:`cpkv.plan_attention`'s ``padding``): padding queries take no part in the indexer
+    loss and ``plan.num_global_queries`` counts real tokens only, so with the loss of the
+    padding rows masked every gradient equals the unpadded batch's. At ``cp_size == 1``
+    nothing is sharded: the default is ``"contiguous"`` (the same token order as zigzag,
+    without its length requirement). ``layout="contiguous"`` at ``cp > 1`` (rank ``r`` holds packed tokens
     ``[r*T/cp, (r+1)*T/cp)``) is not what Megatron does; ask for it explicitly.
 
     Args:
@@ -119,7 +121,8 @@ def plan_from_packed_seq_params(
         ``B`` documents, ``T`` packed tokens of all ranks (padding included), ``T/cp`` per rank.
 
     Raises:
-        TypeError: a missing attribute, a non-tensor or non-integer cu_seqlens (the field is named).
+        TypeError: a missing attribute, a non-tensor or non-integer cu_seqlens (the field is named);
+            a ``padding=`` plan option (the padded cu_seqlens give it).
         ValueError: ``qkv_format != "thd"``; ``layout`` not ``None``, ``"zigzag"`` or
             ``"contiguous"``; a cu_seqlens field that is not leading-zero, non-decreasing and
             1-D; kv cu_seqlens differing from the query ones; a padded document shorter than
@@ -159,6 +162,7 @@ def plan_from_packed_seq_params(
         layout = "zigzag" if cp_size > 1 else "contiguous"
     field, cu_seqlens = ("cu_seqlens_q", cu_q) if cu_q_padded is None else ("cu_seqlens_q_padded", cu_q_padded)
     real_len = cu_q.detach().to("cpu", torch.int64).diff()
+    padding: Tensor | None = None
     if cu_q_padded is not None:
         padded_len = cu_q_padded.detach().to("cpu", torch.int64).diff()
         if padded_len.shape != real_len.shape or bool((padded_len < real_len).any()):
@@ -167,6 +171,7 @@ def plan_from_packed_seq_params(
                 f" padded length >= the real one), got cu_seqlens_q={cu_q.tolist()},"
                 f" cu_seqlens_q_padded={cu_q_padded.tolist()}"
             )
+        padding = padded_len - real_len
     if layout == "zigzag":
         _check_zigzag_lengths(field, cu_seqlens, cp_size)
     elif int(cu_seqlens[-1]) % cp_size:
@@ -174,8 +179,14 @@ def plan_from_packed_seq_params(
             f"params.{field}: layout='contiguous' needs the packed token count divisible by cp_size = {cp_size},"
             f" got {field}[-1] = {int(cu_seqlens[-1])}"
         )
-    plan = plan_attention(cu_seqlens, cp_size, cp_rank, layout=layout, **plan_options)
-    return PackedPlan(plan, cu_seqlens, _real_rows(cu_seqlens, real_len, plan))
+    if "padding" in plan_options:
+        raise TypeError("plan_from_packed_seq_params takes no padding= option: it is what the padded cu_seqlens say")
+    plan = plan_attention(cu_seqlens, cp_size, cp_rank, layout=layout, padding=padding, **plan_options)
+    if plan.valid_queries is None:
+        real_rows = torch.arange(plan.local_len, device=cu_seqlens.device)
+    else:
+        real_rows = torch.nonzero(plan.valid_queries).flatten()
+    return PackedPlan(plan, cu_seqlens, real_rows)
 
 
 def _check_zigzag_lengths(field: str, cu_seqlens: Tensor, cp_size: int) -> None:
@@ -195,16 +206,3 @@ def _check_zigzag_lengths(field: str, cu_seqlens: Tensor, cp_size: int) -> None:
             f" document {doc} ({field}[{doc}:{doc + 2}] = {cu_seqlens[doc:doc + 2].tolist()}) has length"
             f" {int(lengths[doc])}; {fix}, or pass layout='contiguous' explicitly"
         )
-
-
-def _real_rows(cu_seqlens: Tensor, real_len: Tensor, plan: AttentionPlan) -> Tensor:
-    """Rows of the rank's shard whose token lies within its document's real (unpadded) length."""
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    if plan.layout == "zigzag":
-        natural = zigzag_tnd_index(cu, plan.cp_size, plan.cp_rank)
-    else:
-        offset, local_len = contiguous_shard_range(plan.num_tokens, plan.cp_size, plan.cp_rank)
-        natural = torch.arange(offset, offset + local_len)
-    doc = torch.searchsorted(cu[1:], natural, right=True)
-    real = natural - cu[doc] < real_len[doc]
-    return torch.nonzero(real).flatten().to(cu_seqlens.device)

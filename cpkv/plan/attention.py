@@ -21,14 +21,16 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from cpkv.checks import check_int
+from cpkv.checks import check_int, check_int_dtype, check_tensor
 from cpkv.agreement import agree
 from cpkv.collectives import check_group, check_group_position, check_same_on_all_ranks
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.plan.routes import CompressedRoutes, Routes, compressed_routes, kv_routes, plan_routes, rank_bounds
 from cpkv.plan.segments import KeyRanges, SegmentPlan, plan_segments
-from cpkv.plan.sharding import check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_chunks, zigzag_tnd_gather_index
+from cpkv.plan.sharding import (
+    check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_chunks, zigzag_tnd_gather_index, zigzag_tnd_index,
+)
 
 Layout = Literal["contiguous", "zigzag"]
 """``"contiguous"``: rank ``r`` holds packed tokens ``[r*T/cp, (r+1)*T/cp)``; ``"zigzag"``: chunks
@@ -76,7 +78,8 @@ class AttentionPlan:
         num_tokens: ``T``, packed tokens of the micro-batch (all ranks).
         local_len: ``T / cp``, tokens of this rank.
         num_documents: ``B`` (``cu_seqlens`` had ``B + 1`` entries).
-        num_global_queries: ``N``, query tokens of the CP group (indexer-loss normaliser).
+        num_global_queries: ``N``, real (not padding) query tokens of the CP group, at least 1
+            (the indexer-loss normaliser).
         segments: the rank's queries (in shard order) paired with their full causal prefixes,
             with blocks and visibility of every planned compress ratio. RoPE positions of the
             local tokens: ``segments.q_positions``.
@@ -91,6 +94,10 @@ class AttentionPlan:
             entry's compressor may read (the need exchange's compressor-input halo covers them).
         check_modules: whether compressed layer calls agree across ranks on their modules'
             outputs (:func:`plan_attention`).
+        valid_queries: ``[T/cp]`` bool, ``True`` at the local rows that are real tokens, when
+            ``plan_attention`` was given ``padding``; ``None`` when every token is real. Padding
+            queries are attended as usual (mask their loss) but take no part in the indexer
+            loss: neither in its value, its gradients nor ``N``.
     """
 
     layout: Layout
@@ -111,6 +118,7 @@ class AttentionPlan:
     compress_ratios: tuple[int, ...]
     prev_blocks: Mapping[int, int]
     check_modules: bool = True
+    valid_queries: Tensor | None = None
 
     @property
     def q_positions(self) -> Tensor:
@@ -214,7 +222,7 @@ def plan_attention(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout = "contiguous", exchange: Exchange = "allgather",
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
     prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
-    check_ranks: bool = True,
+    check_ranks: bool = True, padding: Tensor | None = None,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
@@ -256,6 +264,12 @@ def plan_attention(
             any rank differs. Once per micro-batch; host syncs.
         check_ranks: set ``False`` to skip the cross-rank comparison (the agreement on each
             rank's own validation still runs).
+        padding: ``[B]`` int tensor (any device) of the padding tokens at the end of each
+            document of ``cu_seqlens`` (e.g. :func:`cpkv.plan.conventions.pad_documents`'
+            ``padding``), or ``None`` (default): every token is real. Padding tokens are
+            attended like any other (causality keeps them out of real tokens' outputs; mask
+            their loss), but they do not count in the indexer loss: ``plan.valid_queries``
+            marks the real local rows and ``plan.num_global_queries`` counts real tokens only.
 
     Returns:
         :class:`AttentionPlan`.
@@ -267,8 +281,10 @@ def plan_attention(
             length not divisible by ``2 * cp_size`` (the first one is named), ``compress_ratios``
             or ``windows`` not a sequence, ``prev_blocks`` not a mapping or naming an unplanned
             ratio, a ratio ``< 2``, a window ``< 1``, a group position other than
-            ``(cp_size, cp_rank)``, ranks that disagree on ``cu_seqlens`` or the options. With a
-            ``group``, raised on every rank when any rank fails.
+            ``(cp_size, cp_rank)``, ranks that disagree on ``cu_seqlens`` or the options,
+            ``padding`` that is not a ``[B]`` integer tensor with ``0 <= padding[b] <=`` the
+            length of document ``b`` (ranks that disagree on it raise like for ``cu_seqlens``).
+            With a ``group``, raised on every rank when any rank fails.
 
     Example:
         >>> plan = plan_attention(torch.tensor([0, 5, 12, 16]), 2, 1, compress_ratios=[4])
@@ -277,7 +293,7 @@ def plan_attention(
     """
     def build() -> AttentionPlan:
         return _build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios, windows,
-                           prev_blocks, check_modules)
+                           prev_blocks, check_modules, padding)
 
     if group is None:
         return build()
@@ -290,7 +306,8 @@ def plan_attention(
         raise
     agree(None, group)
     if check_ranks:
-        check_same_on_all_ranks(cu_seqlens, group, options=_options(plan))
+        padded = [] if padding is None else [-7, *padding.detach().to("cpu", torch.int64).tolist()]
+        check_same_on_all_ranks(cu_seqlens, group, options=[*_options(plan), *padded])
     return plan
 
 
@@ -318,7 +335,7 @@ def _int_sequence(name: str, value: object, *, minimum: int, allow_none: bool = 
 def _build_plan(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, layout: Layout, exchange: Exchange, ring_degree: int,
     compress_ratios: Sequence[int], windows: Sequence[int | None], prev_blocks: Mapping[int, int] | None,
-    check_modules: bool,
+    check_modules: bool, padding: Tensor | None,
 ) -> AttentionPlan:
     """:func:`plan_attention` without the group: validate, then plan."""
     if layout not in LAYOUTS:
@@ -336,6 +353,7 @@ def _build_plan(
     ratios = tuple(r for r in _int_sequence("compress_ratios", compress_ratios, minimum=2) if r is not None)
     planned_windows = _int_sequence("windows", windows, minimum=1, allow_none=True)
     reach = _prev_blocks(ratios, prev_blocks)
+    real_lengths = _real_lengths(cu_seqlens, padding)
     num_tokens = int(cu_seqlens[-1])
     offset, local_len = contiguous_shard_range(num_tokens, cp_size, cp_rank)
     device = cu_seqlens.device
@@ -353,14 +371,52 @@ def _build_plan(
             kv = _need_sources(cu, segments, prefix, cp_size, cp_rank, planned_windows or (None,), ring_degree, device)
             owned = rank_bounds(local_len, cp_size)
             compressed = {r: compressed_routes(cu, owned, cp_rank, r, reach[r], device) for r in ratios}
+    valid, num_real = None, num_tokens
+    if real_lengths is not None:
+        valid = _valid_rows(cu_seqlens, real_lengths, layout, cp_size, cp_rank)
+        num_real = int(real_lengths.sum())
     return AttentionPlan(
         layout=layout, exchange=exchange, ring_degree=ring_degree, cp_size=cp_size, cp_rank=cp_rank,
         num_tokens=num_tokens, local_len=local_len, num_documents=cu_seqlens.numel() - 1,
-        num_global_queries=num_tokens, segments=segments, prefix=prefix, gather_rows=rows,
+        num_global_queries=max(num_real, 1), segments=segments, prefix=prefix, gather_rows=rows,
         kv=MappingProxyType(kv), compressed=MappingProxyType(compressed),
         windows=planned_windows, compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
-        check_modules=check_modules,
+        check_modules=check_modules, valid_queries=valid,
     )
+
+
+def _real_lengths(cu_seqlens: Tensor, padding: Tensor | None) -> Tensor | None:
+    """``[B]`` int64 (CPU) real length of every document: its length less ``padding``; ``None`` without padding."""
+    if padding is None:
+        return None
+    check_int_dtype("padding", check_tensor("padding", padding))
+    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
+    if padding.shape != lengths.shape:
+        raise ValueError(
+            f"padding must be a [B] = [{lengths.numel()}] tensor (one count per document of cu_seqlens), got shape"
+            f" {tuple(padding.shape)}"
+        )
+    pad = padding.detach().to("cpu", torch.int64)
+    bad = torch.nonzero((pad < 0) | (pad > lengths)).flatten()
+    if bad.numel():
+        doc = int(bad[0])
+        raise ValueError(
+            f"padding[{doc}] = {int(pad[doc])} must be in [0, {int(lengths[doc])}] (document {doc}'s length in"
+            " cu_seqlens): padding counts the tokens at a document's end that are not real"
+        )
+    return lengths - pad
+
+
+def _valid_rows(cu_seqlens: Tensor, real_lengths: Tensor, layout: Layout, cp_size: int, cp_rank: int) -> Tensor:
+    """``[T/cp]`` bool on ``cu_seqlens.device``: the local rows whose token lies within its document's real length."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if layout == "zigzag":
+        natural = zigzag_tnd_index(cu, cp_size, cp_rank)
+    else:
+        offset, local_len = contiguous_shard_range(int(cu[-1]), cp_size, cp_rank)
+        natural = torch.arange(offset, offset + local_len)
+    doc = torch.searchsorted(cu[1:], natural, right=True)
+    return (natural - cu[doc] < real_lengths[doc]).to(cu_seqlens.device)
 
 
 def _prev_blocks(ratios: Sequence[int], prev_blocks: Mapping[int, int] | None) -> dict[int, int]:

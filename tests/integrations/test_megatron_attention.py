@@ -1,0 +1,617 @@
+"""CPKVCoreAttention inside real megatron-core layers at cp 2 (gloo, fp64) against the whole batch in one process.
+
+One spawn of 2 gloo ranks runs every multi-rank check (spawning and importing megatron-core
+cost seconds). Each check builds a megatron-core layer from Megatron's local (non-TE) spec
+twice: with :class:`CPKVCoreAttention` at cp 2 on a padded THD batch (every document padded
+at its end to a multiple of 2*cp, laid out in Megatron's per-document zigzag, RoPE applied by
+Megatron's attention over the padded cu_seqlens), and, with the same weights, with
+:class:`DenseCoreAttention` (below: Megatron's unfused softmax math, its ``SoftmaxOne`` for the
+offsets and its ``is_layer_window_attention``, dense per document) at cp 1 in one process on
+the *unpadded* batch. The padding rows of the cp run hold random junk. Compared: the real
+rows' outputs, the real rows' input gradients (padding rows must get exactly zero), and
+every parameter gradient summed over the CP ranks (what CP gradient reduction computes).
+The loss is ``sum(out[real] * w)`` with fixed random ``w``, so every output row feeds it.
+The block check runs two micro-batches, each with its plan carried in its
+``packed_seq_params`` (``with_plan``), both forwards under activation checkpointing before one
+backward. A V4 INDEXER layer (cpkv.v4) at cp 2 on a padded batch planned from
+``PackedSeqParams`` checks that padding does not count in the indexer loss.
+
+The zigzag rows are written here with plain loops over documents (TransformerEngine's
+``thd_get_partitioned_indices``: rank r holds chunks r and 2cp-1-r of every padded document),
+independently of cpkv's sharding.
+
+Megatron's ``RotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()``;
+on CPU the tests compute the same embedding with its ``get_freqs_non_repeated``, and, around
+MLA (which builds and runs its own RotaryEmbedding), make ``torch.cuda.current_device()``
+return the CPU (and unset megatron-core's ``HAVE_TE`` flag of MLA, wrongly set without
+TransformerEngine). TransformerEngine is not installed: the local spec is Megatron's
+pure-torch one.
+
+Tolerance (float64, eps = 2.2e-16): every compared value is O(1) and a sum of at most a few
+thousand O(1) products, computed in other orders on the two sides (online softmax merged by
+LSE vs one dense softmax, rank sums of gradients), so rounding differences stay below
+~1e3 * eps ~ 2e-13 (measured: <= 7.1e-15); 1e-11 leaves margin, while any semantic error
+(a key too many or too few, another window, a missing sink, another head-to-group map,
+padding counted in the indexer loss) moves results by more than 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from cpkv.launch import spawn
+
+pytest.importorskip("megatron.core", reason="megatron-core (test extra) is missing")
+
+from cpkv.integrations.megatron import plan_from_packed_seq_params  # noqa: E402
+from cpkv.integrations.megatron_attention import (  # noqa: E402
+    PLAN_ATTRIBUTE, CPKVCoreAttention, megatron_window, plan_of, with_plan,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")  # megatron-core's TransformerConfig
+
+CP = 2
+TOL = 1e-11
+# Real lengths and TE-style padding to multiples of 2*CP: an empty document, documents
+# shorter than a chunk, one that is all padding (TE may pad an empty document).
+REAL = [5, 11, 0, 8, 3, 0, 6]
+PADDED = [8, 12, 0, 8, 4, 4, 8]
+REAL_2, PADDED_2 = [17, 2, 9], [20, 4, 12]  # a second micro-batch, laid out otherwise
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _zigzag_rows(real: list[int], padded: list[int], cp: int, rank: int) -> tuple[list[int], list[int]]:
+    """Rank ``rank``'s rows: (index of the row's token in the unpadded batch or -1 for padding, padded-batch token)."""
+    unpadded, tokens = [], []
+    start, real_start = 0, 0
+    for n_real, n_padded in zip(real, padded):
+        chunk = n_padded // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            for i in range(c * chunk, (c + 1) * chunk):
+                tokens.append(start + i)
+                unpadded.append(real_start + i if i < n_real else -1)
+        start += n_padded
+        real_start += n_real
+    return unpadded, tokens
+
+
+def _megatron() -> SimpleNamespace:
+    with warnings.catch_warnings():  # megatron-core warns that TransformerEngine and Apex are missing
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_softmax import SoftmaxOne
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_block import TransformerBlock
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+        from megatron.core.transformer.utils import is_layer_window_attention
+    return SimpleNamespace(**{k: v for k, v in locals().items()})
+
+
+class DenseCoreAttention(nn.Module):
+    """The oracle: Megatron's unfused core-attention math, dense per THD document, in one process.
+
+    As ``DotProductAttention``: keys and values repeated over the query groups
+    (``repeat_interleave``), logits scaled by ``softmax_scale`` (default ``1/sqrt(hk)``), the
+    causal mask intersected with Megatron's sliding window (keys ``[i - left, i + right]``) on
+    the layers ``is_layer_window_attention`` selects, then ``softmax`` or Megatron's
+    ``SoftmaxOne`` with the offsets. It shares no code with cpkv.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: Any = None,
+                 pg_collection: Any = None) -> None:
+        super().__init__()
+        mc = _megatron()
+        self.scale = softmax_scale
+        self.softmax_type = config.softmax_type
+        sliding = mc.is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.window = config.window_size if sliding else None
+        self.softmax_one = mc.SoftmaxOne
+        if self.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.zeros(config.num_attention_heads, dtype=config.params_dtype))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        p = packed_seq_params
+        cu = (p.cu_seqlens_q if p.cu_seqlens_q_padded is None else p.cu_seqlens_q_padded).tolist()
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        scale = self.scale if self.scale is not None else query.shape[-1] ** -0.5
+        outs = []
+        for s, e in zip(cu[:-1], cu[1:]):
+            scores = torch.einsum("ihd,jhd->hij", query[s:e], key[s:e]) * scale
+            i = torch.arange(e - s)
+            allowed = i[None, :] <= i[:, None]
+            if self.window is not None:
+                allowed &= i[None, :] >= i[:, None] - self.window[0]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if self.softmax_type == "vanilla":
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                offset = self.softmax_offset if self.softmax_type == "learnable" else scores.new_zeros(scores.shape[0])
+                probs = self.softmax_one(-1, offset)(scores[None])[0]
+            outs.append(torch.einsum("hij,jhd->ihd", probs, value[s:e]))
+        out = torch.cat(outs) if outs else query.new_zeros(0, query.shape[1], value.shape[-1])
+        return out.reshape(out.shape[0], -1)
+
+
+def _rope(mc: SimpleNamespace, dim: int, length: int) -> torch.Tensor:
+    """Megatron's RotaryEmbedding(dim).get_emb(length) computed on CPU (get_emb itself moves to CUDA)."""
+    rope = mc.RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, use_cpu_initialization=True)
+    freqs = rope.get_freqs_non_repeated(length)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def _params(mc: SimpleNamespace, real: list[int], padded: list[int] | None) -> Any:
+    cu, cu_p = _cu(real), None if padded is None else _cu(padded)
+    longest = max(padded or real)
+    return mc.PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                              cu_seqlens_kv_padded=cu_p, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of a check: its documents, how each side runs it, its input and loss weights."""
+
+    real: list[int]
+    padded: list[int]
+    run_cp: Callable[[torch.Tensor], torch.Tensor]
+    run_ref: Callable[[torch.Tensor], torch.Tensor]
+    x_full: torch.Tensor  # [sum(real), ...] the unpadded batch's input
+    w_full: torch.Tensor  # its loss weights
+
+
+def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, batches: list[MicroBatch],
+             group: Any) -> dict[str, float]:
+    """Run every micro-batch forward on both sides, then one backward of their summed losses; this rank's errors.
+
+    Errors: of the real rows' outputs and input gradients, of every parameter gradient summed
+    over the CP ranks; and the largest input gradient of a padding row.
+    """
+    cp_loss, ref_loss, kept = 0.0, 0.0, []
+    for i, mb in enumerate(batches):
+        unpadded, _ = _zigzag_rows(mb.real, mb.padded, CP, rank)
+        rows = torch.tensor(unpadded)
+        real, pad = torch.nonzero(rows >= 0).flatten(), torch.nonzero(rows < 0).flatten()
+        gen = torch.Generator().manual_seed(100 + 10 * i + rank)
+        x_local = torch.randn(rows.numel(), *mb.x_full.shape[1:], generator=gen, dtype=mb.x_full.dtype) * 3  # junk
+        x_local[real] = mb.x_full[rows[real]]
+        x_local.requires_grad_(True)
+        x_ref = mb.x_full.clone().requires_grad_(True)
+        out, ref = mb.run_cp(x_local), mb.run_ref(x_ref)
+        cp_loss = cp_loss + (out[real] * mb.w_full[rows[real]]).sum()
+        ref_loss = ref_loss + (ref * mb.w_full).sum()
+        kept.append((rows, real, pad, x_local, x_ref, out, ref))
+    assert isinstance(cp_loss, torch.Tensor) and isinstance(ref_loss, torch.Tensor)
+    cp_loss.backward()
+    ref_loss.backward()
+    errors = {"out": 0.0, "dx": 0.0, "dx_padding": 0.0, "padding_rows": 0.0, "out_scale": 0.0}
+    for rows, real, pad, x_local, x_ref, out, ref in kept:
+        assert x_local.grad is not None and x_ref.grad is not None
+        errors["out"] = max(errors["out"], _max_err(out[real], ref.detach()[rows[real]]))
+        errors["dx"] = max(errors["dx"], _max_err(x_local.grad[real], x_ref.grad[rows[real]]))
+        errors["dx_padding"] = max(errors["dx_padding"], float(x_local.grad[pad].abs().max()) if pad.numel() else 0.0)
+        errors["padding_rows"] += float(pad.numel())
+        errors["out_scale"] = max(errors["out_scale"], float(ref.detach().abs().max()))
+    grads = dict(ref_module.named_parameters())
+    param_err, checked = 0.0, 0
+    for pname, param in cp_module.named_parameters():
+        assert param.grad is not None, pname
+        summed = param.grad.clone()
+        dist.all_reduce(summed, group=group)
+        ref_grad = grads[pname].grad
+        assert ref_grad is not None, pname
+        param_err = max(param_err, _max_err(summed, ref_grad))
+        checked += 1
+    errors.update(dparams=param_err, num_params=float(checked))
+    return {f"{name}/{key}": value for key, value in errors.items()}
+
+
+def _groups(mc: SimpleNamespace, rank: int) -> tuple[Any, Any]:
+    """Megatron's groups at cp = CP (parallel_state) and a one-rank collection for the single-process reference."""
+    singles = [dist.new_group([r]) for r in range(CP)]
+    one = singles[rank]
+    fields = ("tp", "pp", "cp", "tp_cp", "mp", "embd", "pos_embd", "dp", "dp_cp", "ep", "expt_tp", "tp_ep",
+              "tp_ep_pp", "expt_dp", "tp_dp_cp")
+    reference = mc.ProcessGroupCollection(**{f: one for f in fields}, hcp=[one])
+    return mc.ProcessGroupCollection.use_mpu_process_groups(), reference
+
+
+def _config(mc: SimpleNamespace, cp: int, cls: Any = None, **overrides: Any) -> Any:
+    base: dict[str, Any] = dict(
+        num_layers=1, hidden_size=24, num_attention_heads=4, num_query_groups=2, kv_channels=6, ffn_hidden_size=32,
+        use_cpu_initialization=True, params_dtype=torch.float64, attention_dropout=0.0, hidden_dropout=0.0,
+        context_parallel_size=cp, apply_rope_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+    )
+    base.update(overrides)
+    return (cls or mc.TransformerConfig)(**base)
+
+
+def _layer_pair(mc: SimpleNamespace, spec: Any, pgs: tuple[Any, Any], config_cp: Any, config_ref: Any) -> tuple[Any, Any]:
+    cp_spec, ref_spec = copy.deepcopy(spec), copy.deepcopy(spec)
+    cp_spec.submodules.self_attention.submodules.core_attention = CPKVCoreAttention
+    ref_spec.submodules.self_attention.submodules.core_attention = DenseCoreAttention
+    torch.manual_seed(0)
+    ref = mc.build_module(ref_spec, config=config_ref, layer_number=1, pg_collection=pgs[1]).double()
+    layer = mc.build_module(cp_spec, config=config_cp, layer_number=1).double()
+    with torch.no_grad():  # random offsets (Megatron initialises them with init_method; any value must work)
+        for module in (ref, layer):
+            for name, p in module.named_parameters():
+                if name.endswith("softmax_offset"):
+                    p.copy_(torch.linspace(-1.0, 1.5, p.numel(), dtype=p.dtype))
+    layer.load_state_dict(ref.state_dict())
+    return layer, ref
+
+
+def _gqa_layer_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str, float]:
+    """A TransformerLayer: GQA (4 heads, 2 groups), sliding window (left 5), learnable offsets, RoPE, per-call plans."""
+    options = dict(window_size=(5, 0), softmax_type="learnable")
+    layer, ref = _layer_pair(mc, mc.get_gpt_layer_local_spec(), pgs, _config(mc, CP, **options), _config(mc, 1, **options))
+    assert isinstance(layer.self_attention.core_attention, CPKVCoreAttention)
+    assert layer.self_attention.core_attention.window == 6
+    sharded = layer.sharded_state_dict(metadata={"dp_cp_group": pgs[0].dp_cp})  # Megatron's dist checkpoint
+    assert "self_attention.core_attention.softmax_offset" in sharded
+    emb = _rope(mc, 6, max(PADDED))
+    params, params_ref = _params(mc, REAL, PADDED), _params(mc, REAL, None)
+    gen = torch.Generator().manual_seed(7)
+    x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
+    w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
+    batch = MicroBatch(
+        REAL, PADDED,
+        lambda x: layer(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params)[0],
+        lambda x: ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)[0],
+        x_full, w_full,
+    )
+    return _compare("gqa", rank, layer, ref, [batch], pgs[0].cp)
+
+
+def _block_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str, float]:
+    """A 2-layer TransformerBlock: MQA, layer 1 sliding (left 3) / layer 2 dense, off-by-one; two micro-batches.
+
+    Each micro-batch is planned once and its plan carried in its packed_seq_params
+    (``with_plan``); the cp side runs both forwards under activation checkpointing
+    (``torch.utils.checkpoint``, non-reentrant) before one backward, so every recomputation
+    must find its own micro-batch's plan.
+    """
+    options = dict(num_layers=2, num_query_groups=1, window_size=(3, 0), window_attn_skip_freq=2, softmax_type="off-by-one")
+    spec = mc.get_gpt_layer_local_spec()
+    cp_spec, ref_spec = copy.deepcopy(spec), copy.deepcopy(spec)
+    cp_spec.submodules.self_attention.submodules.core_attention = CPKVCoreAttention
+    ref_spec.submodules.self_attention.submodules.core_attention = DenseCoreAttention
+    torch.manual_seed(1)
+    ref = mc.TransformerBlock(_config(mc, 1, **options), ref_spec, pg_collection=pgs[1]).double()
+    block = mc.TransformerBlock(_config(mc, CP, **options), cp_spec).double()
+    block.load_state_dict(ref.state_dict())
+    windows = [layer.self_attention.core_attention.window for layer in block.layers]
+    assert windows == [4, None], windows
+    gen = torch.Generator().manual_seed(8)
+    batches = []
+    for real, padded in ((REAL, PADDED), (REAL_2, PADDED_2)):
+        emb = _rope(mc, 6, max(padded))
+        params = _params(mc, real, padded)
+        carried = with_plan(params, plan_from_packed_seq_params(params, CP, rank))
+        params_ref = _params(mc, real, None)
+
+        def run_cp(x: torch.Tensor, emb: torch.Tensor = emb, carried: Any = carried) -> torch.Tensor:
+            out: torch.Tensor = checkpoint(
+                block, x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=carried, use_reentrant=False
+            )
+            return out
+
+        def run_ref(x: torch.Tensor, emb: torch.Tensor = emb, params_ref: Any = params_ref) -> torch.Tensor:
+            out: torch.Tensor = ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)
+            return out
+
+        x_full = torch.randn(sum(real), 1, 24, generator=gen, dtype=torch.float64)
+        w_full = torch.randn(sum(real), 1, 24, generator=gen, dtype=torch.float64)
+        batches.append(MicroBatch(real, padded, run_cp, run_ref, x_full, w_full))
+    return _compare("block", rank, block, ref, batches, pgs[0].cp)
+
+
+def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str, float]:
+    """An MLA TransformerLayer (per-head keys qk 6 + rope 4, values 5; q and kv low rank), learnable offsets."""
+    options: dict[str, Any] = dict(
+        multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6, qk_pos_emb_head_dim=4,
+        v_head_dim=5, rope_type="rope", num_query_groups=4, kv_channels=None, softmax_type="learnable",
+        window_size=(6, 0),
+    )
+    spec = mc.get_gpt_layer_local_spec(multi_latent_attention=True)
+    # MLA builds and runs its own RotaryEmbedding, which places its frequencies on
+    # torch.cuda.current_device(): on this CPU machine, that device is the CPU. Without
+    # TransformerEngine, megatron-core 0.16 still sets multi_latent_attention.HAVE_TE (its TE
+    # extension module imports) with TELinear = None, and isinstance(..., None) fails: unset it.
+    with mock.patch("torch.cuda.current_device", return_value="cpu"), \
+            mock.patch("megatron.core.transformer.multi_latent_attention.HAVE_TE", False):
+        layer, ref = _layer_pair(mc, spec, pgs, _config(mc, CP, mc.MLATransformerConfig, **options),
+                                 _config(mc, 1, mc.MLATransformerConfig, **options))
+        assert layer.self_attention.core_attention.v_channels == 5
+        params, params_ref = _params(mc, REAL, PADDED), _params(mc, REAL, None)
+        gen = torch.Generator().manual_seed(9)
+        x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
+        w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
+        batch = MicroBatch(
+            REAL, PADDED,
+            lambda x: layer(x, attention_mask=None, packed_seq_params=params)[0],
+            lambda x: ref(x, attention_mask=None, packed_seq_params=params_ref)[0],
+            x_full, w_full,
+        )
+        return _compare("mla", rank, layer, ref, [batch], pgs[0].cp)
+
+
+def _indexer_padding_case(rank: int, group: Any) -> dict[str, float]:
+    """cpkv.v4 INDEXER layer at cp 2 on a padded batch (plan from PackedSeqParams) vs the unpadded batch in one process.
+
+    The indexer's KL loss injects gradients whatever the upstream gradient: padding queries
+    would add theirs, and N would count them. Here real rows, the summed KL loss and every
+    gradient (the indexer's included) must equal the unpadded batch's.
+    """
+    from cpkv.v4 import V4Attention, V4Config, reference_forward
+
+    real, padded = [13, 0, 22, 7, 30, 0], [16, 0, 24, 8, 32, 4]
+    cu_real = _cu(real)
+    params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+                             cu_seqlens_q_padded=_cu(padded), cu_seqlens_kv_padded=_cu(padded))
+    packed = plan_from_packed_seq_params(params, CP, rank, compress_ratios=[4])
+    layer = V4Attention(V4Config(compress_ratio=4, topk=3, window=8), seed=3).double()
+    ref_layer = copy.deepcopy(layer)
+    gen = torch.Generator().manual_seed(12)
+    x_full = torch.randn(sum(real), 64, generator=gen, dtype=torch.float64)
+    w_full = torch.randn(sum(real), 64, generator=gen, dtype=torch.float64)
+    unpadded, _ = _zigzag_rows(real, padded, CP, rank)
+    rows = torch.tensor(unpadded)
+    real_rows = torch.nonzero(rows >= 0).flatten()
+    assert torch.equal(packed.real_rows, real_rows)
+    x_local = torch.randn(rows.numel(), 64, generator=gen, dtype=torch.float64) * 3
+    x_local[real_rows] = x_full[rows[real_rows]]
+    x_local.requires_grad_(True)
+    result = layer(x_local, packed.plan, group, backend="reference", grad_scale=2.0)
+    (result.out[real_rows] * w_full[rows[real_rows]]).sum().backward()
+    x_ref = x_full.clone().requires_grad_(True)
+    ref = reference_forward(ref_layer, x_ref, cu_real, grad_scale=2.0)
+    (ref.out * w_full).sum().backward()
+    assert result.indexer_loss is not None and ref.indexer_loss is not None
+    loss = result.indexer_loss.double().clone()
+    dist.all_reduce(loss, group=group)
+    grads = dict(ref_layer.named_parameters())
+    param_err, indexer_err = 0.0, 0.0
+    for name, p in layer.named_parameters():
+        summed = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(summed, group=group)
+        ref_grad = grads[name].grad
+        err = _max_err(summed, torch.zeros_like(p) if ref_grad is None else ref_grad)
+        param_err = max(param_err, err)
+        if name.startswith("indexer."):
+            indexer_err = max(indexer_err, err)
+    pad = torch.nonzero(rows < 0).flatten()
+    assert x_local.grad is not None and x_ref.grad is not None
+    return {
+        "indexer/out": _max_err(result.out[real_rows], ref.out.detach()[rows[real_rows]]),
+        "indexer/dx": _max_err(x_local.grad[real_rows], x_ref.grad[rows[real_rows]]),
+        "indexer/dx_padding": float(x_local.grad[pad].abs().max()),
+        "indexer/dparams": param_err,
+        "indexer/dparams_indexer": indexer_err,
+        "indexer/num_global_queries_minus_real": float(packed.plan.num_global_queries - sum(real)),
+        "indexer/loss": abs(float(loss) - float(ref.indexer_loss)) / max(1.0, abs(float(ref.indexer_loss))),
+        "indexer/indexer_grad_scale": max(float(grads[n].grad.abs().max()) for n in grads
+                                          if n.startswith("indexer.") and grads[n].grad is not None),
+    }
+
+
+def _padding_disagreement_case(rank: int, group: Any) -> dict[str, float]:
+    """plan_attention(group=...) compares the padding across ranks: the same total, spread otherwise, raises."""
+    from cpkv.plan import plan_attention
+
+    padding = torch.tensor([1, 2] if rank == 0 else [2, 1])
+    try:
+        plan_attention(_cu([8, 4]), CP, rank, group=group, padding=padding)
+    except ValueError as error:
+        return {"padding/disagreement_raised": float("differ between the ranks" in str(error))}
+    return {"padding/disagreement_raised": 0.0}
+
+
+def _all_checks(rank: int, world: int) -> dict[str, float]:
+    torch.set_default_dtype(torch.float64)
+    mc = _megatron()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mc.parallel_state.initialize_model_parallel(context_parallel_size=world)
+        pgs = _groups(mc, rank)
+        results: dict[str, float] = {}
+        results.update(_gqa_layer_case(mc, rank, pgs))
+        results.update(_block_case(mc, rank, pgs))
+        results.update(_mla_case(mc, rank, pgs))
+        results.update(_indexer_padding_case(rank, pgs[0].cp))
+        results.update(_padding_disagreement_case(rank, pgs[0].cp))
+        mc.parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def cp_results() -> list[dict[str, float]]:
+    return spawn(_all_checks, CP, timeout=240.0)
+
+
+@pytest.mark.parametrize("case", ["gqa", "block", "mla", "indexer"])
+def test_layer_at_cp2_equals_the_unpadded_batch_in_one_process(cp_results: list[dict[str, float]], case: str) -> None:
+    for rank, errors in enumerate(cp_results):
+        mine = {k.split("/", 1)[1]: v for k, v in errors.items() if k.startswith(case + "/")}
+        assert mine["out"] <= TOL, (rank, mine)
+        assert mine["dx"] <= TOL, (rank, mine)
+        assert mine["dparams"] <= TOL, (rank, mine)
+        assert mine["dx_padding"] == 0.0, (rank, mine)  # padding rows feed nothing real: exactly zero
+        if case != "indexer":
+            assert mine["num_params"] >= 8 and mine["out_scale"] > 0.1, mine  # the comparison saw real values
+    if case != "indexer":  # every padding row of the batches was checked on some rank
+        padding = sum(PADDED) - sum(REAL) + (sum(PADDED_2) - sum(REAL_2) if case == "block" else 0)
+        assert sum(errors[f"{case}/padding_rows"] for errors in cp_results) == padding
+
+
+def test_padding_does_not_count_in_the_indexer_loss(cp_results: list[dict[str, float]]) -> None:
+    """N counts real tokens only and padding queries add nothing to the KL loss or its gradients."""
+    for errors in cp_results:
+        assert errors["indexer/num_global_queries_minus_real"] == 0.0, errors
+        assert errors["indexer/dparams_indexer"] <= TOL, errors
+        assert errors["indexer/indexer_grad_scale"] > 1e-6, errors  # the indexer does get gradients
+        # The logged loss is a float32 value (AttentionOutput.indexer_loss): float32 precision.
+        assert errors["indexer/loss"] <= 1e-6, errors
+
+
+def test_ranks_that_disagree_on_padding_raise(cp_results: list[dict[str, float]]) -> None:
+    assert [errors["padding/disagreement_raised"] for errors in cp_results] == [1.0] * CP
+
+
+# ------------------------------------------------------------------ single-process checks
+
+
+class _Group:
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _pgs(cp: int = 2, tp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(tp=_Group(tp), cp=_Group(cp))
+
+
+def _plain_config(**overrides: Any) -> Any:
+    mc = _megatron()
+    fields: dict[str, Any] = dict(num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
+                                  attention_dropout=0.0, context_parallel_size=2)
+    fields.update(overrides)
+    return mc.TransformerConfig(**fields)
+
+
+def _build(config: Any = None, **kwargs: Any) -> CPKVCoreAttention:
+    mc = _megatron()
+    arguments: dict[str, Any] = dict(layer_number=1, attn_mask_type=mc.AttnMaskType.causal, attention_type="self",
+                                     pg_collection=_pgs())
+    arguments.update(kwargs)
+    return CPKVCoreAttention(config if config is not None else _plain_config(), **arguments)
+
+
+@pytest.mark.parametrize(
+    ("config_overrides", "kwargs", "match"),
+    [
+        (dict(attention_dropout=0.1), {}, "attention dropout must be 0"),
+        ({}, dict(attention_dropout=0.2), "attention dropout must be 0"),
+        (dict(window_size=(4, 2)), {}, "the right window must be 0"),
+        (dict(window_size=(-2, 0)), {}, "left window must be >= -1"),
+        ({}, dict(attention_type="cross"), "attention_type must be 'self'"),
+        ({}, dict(attn_mask_type="no_mask"), "attn_mask_type must be AttnMaskType.causal"),
+        ({}, dict(softmax_scale=-1.0), "softmax_scale must be a finite positive"),
+        ({}, dict(pg_collection=_pgs(cp=4)), "CP group has size 4"),
+        (dict(num_attention_heads=6, num_query_groups=3, kv_channels=4), dict(pg_collection=_pgs(tp=2)),
+         "multiples of the tensor-parallel size 2"),
+    ],
+)
+def test_unsupported_configurations_raise(config_overrides: dict[str, Any], kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _build(_plain_config(**config_overrides), **kwargs)
+
+
+def test_constructor_accepts_what_megatron_passes() -> None:
+    mc = _megatron()
+    config = _plain_config(softmax_type="learnable", window_size=(7, 0), window_attn_skip_freq=[1, 0])
+    module = _build(config, attn_mask_type=mc.AttnMaskType.padding_causal, softmax_scale=0.3, k_channels=4,
+                    v_channels=4, cp_comm_type="a2a")
+    assert module.window == 8 and module.softmax_scale == 0.3
+    assert module.softmax_offset is not None and tuple(module.softmax_offset.shape) == (4,)
+    assert [name for name, _ in module.named_parameters()] == ["softmax_offset"]  # Megatron's parameter name
+    assert _build(config, layer_number=2).window is None
+    assert _build(_plain_config()).softmax_offset is None
+
+
+@pytest.mark.parametrize("window_size", [None, (0, 0), (1, 0), (9, 0), (-1, 0)])
+@pytest.mark.parametrize("skip", [None, 2, 3, [1, 0, 1]])
+def test_megatron_window_follows_megatron(window_size: Any, skip: Any) -> None:
+    """Megatron's is_layer_window_attention picks the sliding layers; (left, 0) sees left earlier keys."""
+    mc = _megatron()
+    for layer_number in (1, 2, 3):
+        sliding = mc.is_layer_window_attention(window_size, skip, layer_number)
+        expected = window_size[0] + 1 if sliding and window_size[0] >= 0 else None
+        assert megatron_window(window_size, skip, layer_number) == expected
+
+
+def _tensors(t: int = 4, heads: int = 4, groups: int = 2, hk: int = 4, hv: int = 4) -> tuple[torch.Tensor, ...]:
+    return torch.randn(t, heads, hk), torch.randn(t, groups, hk), torch.randn(t, groups, hv)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(packed_seq_params=None), ValueError, "qkv_format='thd' is required"),
+        (dict(packed_seq_params=SimpleNamespace(qkv_format="sbhd")), ValueError, "qkv_format='thd' is required"),
+        (dict(attention_bias=torch.zeros(1)), ValueError, "attention_bias must be None"),
+        (dict(attn_mask_type="arbitrary"), ValueError, "attn_mask_type must be None"),
+        (dict(value=None), ValueError, "value=None"),
+        (dict(query=torch.randn(4, 3, 4)), ValueError, "must be a multiple of the key/value heads"),
+        (dict(key=torch.randn(4, 2, 5)), ValueError, "must agree"),
+        (dict(query=torch.randn(4, 4)), ValueError, "query must have shape"),
+    ],
+)
+def test_forward_rejects_what_it_cannot_run(change: dict[str, Any], error: type[Exception], match: str) -> None:
+    module = _build()
+    q, k, v = _tensors()
+    cu = _cu([8])
+    arguments: dict[str, Any] = dict(query=q, key=k, value=v, attention_mask=None, packed_seq_params=SimpleNamespace(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None))
+    arguments.update(change)
+    with pytest.raises(error, match=match):
+        module(**arguments)
+
+
+def test_with_plan_carries_the_plan_and_checks_it() -> None:
+    mc = _megatron()
+    params = _params(mc, REAL, PADDED)
+    packed = plan_from_packed_seq_params(params, 2, 1)
+    carried = with_plan(params, packed)
+    assert type(carried) is type(params) and getattr(carried, PLAN_ATTRIBUTE) is packed
+    assert not hasattr(params, PLAN_ATTRIBUTE)  # the original is untouched
+    assert plan_of(carried, 2, 1) is packed
+    planned = plan_of(params, 2, 1)  # without one, planned per call: the same plan data
+    assert torch.equal(planned.real_rows, packed.real_rows) and torch.equal(planned.plan.q_positions, packed.plan.q_positions)
+    with pytest.raises(ValueError, match="cp_size=2, cp_rank=1; this layer's CP group has size 2, rank 0"):
+        plan_of(carried, 2, 0)
+    with pytest.raises(ValueError, match="not made from its params.cu_seqlens_q_padded"):
+        with_plan(_params(mc, REAL, PADDED), packed)
+    other = copy.copy(carried)
+    other.cu_seqlens_q_padded = other.cu_seqlens_q_padded.clone()
+    with pytest.raises(ValueError, match="not made from its params.cu_seqlens_q_padded"):
+        plan_of(other, 2, 1)
+    with pytest.raises(TypeError, match="PackedPlan"):
+        with_plan(params, packed.plan)  # type: ignore[arg-type]
+    setattr(other, PLAN_ATTRIBUTE, "plan")
+    with pytest.raises(TypeError, match="must be a PackedPlan"):
+        plan_of(other, 2, 1)
+
