@@ -71,6 +71,8 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.index_keys", ["round_index_keys", "exchange_index_keys", "INDEX_KEY_DTYPES"]),
     ("cpkv.integrations.megatron", None),
     ("cpkv.integrations.transformers", None),
+    ("cpkv.integrations.transformers_lm", None),
+    ("cpkv.integrations.causal_lm", None),
     ("cpkv.launch", ["spawn", "RankError"]),
     ("cpkv.commstats", ["count_bytes", "ByteCounter"]),
 ]

@@ -102,19 +102,24 @@ def _zero_tie(module: Any) -> Tensor | None:
     return torch.stack(terms).sum() if terms else None
 
 
-def _cp_attention_forward(module: Any, rotary_emb: Any, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-    """The forward :func:`enable_deepseek_v4_cp` installs: cpkv with a context, else Hugging Face's."""
+def _cp_attention_forward(
+    module: Any, rotary_emb: Any, hidden_states: Tensor, position_embeddings: Any = None, position_ids: Any = None,
+    attention_mask: Any = None, cache: Any = None, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The forward :func:`enable_deepseek_v4_cp` installs: cpkv with a context, else Hugging Face's (same arguments)."""
     context = kwargs.pop(CONTEXT_KWARG, None)
     if context is None:
-        result: tuple[Tensor, None] = type(module).forward(module, hidden_states, *args, **kwargs)
+        result: tuple[Tensor, None] = type(module).forward(
+            module, hidden_states, position_embeddings, position_ids, attention_mask, cache=cache, **kwargs
+        )
         return result
     if not isinstance(context, DeepseekV4CPContext):
         raise TypeError(f"{CONTEXT_KWARG} must be a DeepseekV4CPContext, got {type(context).__name__}")
     if hidden_states.ndim != 3 or hidden_states.shape[0] != 1:
         raise ValueError(f"hidden_states must be [1, T/cp, hidden] (one packed row) under CP, got {tuple(hidden_states.shape)}")
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+    if cache is not None or kwargs.get("past_key_values") is not None:
         raise ValueError("a decoding cache is not supported under CP: call the model with use_cache=False")
-    if isinstance(kwargs.get("attention_mask"), Tensor):
+    if isinstance(attention_mask, Tensor):
         raise ValueError(
             "attention_mask must be None under CP (the plan is the mask): call the model with"
             ' attention_mask={"cpkv": None} so that Hugging Face builds none'
@@ -197,7 +202,8 @@ def _config(model: Any) -> Any:
         config = getattr(inner, "config", None)
         if config is not None and hasattr(config, "layer_types"):
             return config
-        inner = getattr(inner, "module", None) or getattr(inner, "_orig_mod", None)
+        wrapped = getattr(inner, "module", None)
+        inner = wrapped if wrapped is not None else getattr(inner, "_orig_mod", None)
         if inner is None:
             break
     raise TypeError(f"model must be a DeepseekV4ForCausalLM (or wrap one), got {type(model).__name__} without a DeepseekV4Config")
@@ -298,6 +304,8 @@ def deepseek_v4_causal_lm_loss(
         input_ids=ids_local[None], position_ids=plan.q_positions.to(ids.device)[None], attention_mask={"cpkv": None},
         use_cache=False, output_router_logits=False, **{CONTEXT_KWARG: context},
     )
+    if getattr(output, "logits", None) is None:
+        raise TypeError(f"model must be a DeepseekV4ForCausalLM (with its head), got an output without logits: {type(output).__name__}")
     expected = int(config.num_hidden_layers)
     if len(context.records) != expected:
         raise ValueError(

@@ -442,6 +442,26 @@ def test_enable_keeps_names_classes_and_hf_forward() -> None:
         assert torch.equal(enabled(input_ids=ids, use_cache=False).logits, plain(input_ids=ids, use_cache=False).logits)
 
 
+def test_cp_forward_rejects_masks_caches_and_batches() -> None:
+    """A CP layer takes one packed row, no [T/cp, T/cp] mask and no decoding cache (raised before any collective)."""
+    from cpkv.integrations.transformers_lm import CONTEXT_KWARG, DeepseekV4CPContext, enable_deepseek_v4_cp
+
+    attention = enable_deepseek_v4_cp(_model()).model.layers[1].self_attn
+    context = DeepseekV4CPContext(plan_attention(torch.tensor([0, 8]), 1, 0, compress_ratios=[4, 16]))
+    x = torch.zeros(1, 8, 64, dtype=torch.float64)
+    mask = torch.zeros(1, 1, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="attention_mask must be None under CP"):
+        attention(x, position_embeddings=None, position_ids=None, attention_mask=mask, **{CONTEXT_KWARG: context})
+    with pytest.raises(ValueError, match="attention_mask must be None under CP"):
+        attention(x, None, None, mask, **{CONTEXT_KWARG: context})
+    with pytest.raises(ValueError, match="use_cache=False"):
+        attention(x, None, None, None, cache=object(), **{CONTEXT_KWARG: context})
+    with pytest.raises(ValueError, match=r"\[1, T/cp, hidden\]"):
+        attention(x.expand(2, 8, 64), None, None, None, **{CONTEXT_KWARG: context})
+    with pytest.raises(TypeError, match="must be a DeepseekV4CPContext"):
+        attention(x, None, None, None, **{CONTEXT_KWARG: context.plan})
+
+
 def test_enable_rejects_other_modules() -> None:
     from cpkv.integrations.transformers_lm import enable_deepseek_v4_cp
 
