@@ -174,8 +174,9 @@ class DeepseekV4CausalLMOutput(NamedTuple):
     Attributes:
         loss: 0-d, this rank's loss: call ``loss.backward()``, then reduce the gradients over
             the CP group as ``grad_reduction`` said (sum, or the wrapper's mean).
-        lm_loss: 0-d, detached: the CP group's mean cross-entropy (what one process gets for
-            the whole micro-batch), the same on every rank, for logging.
+        lm_loss: 0-d, detached: the CP group's cross-entropy sum over ``N`` (with the default
+            ``N``, what one process gets for the whole micro-batch), the same on every rank, for
+            logging.
         num_tokens: 0-d int64: the group's count of valid labels (the normaliser when
             ``num_items_in_batch`` is not given).
         indexer_losses: with ``indexer_loss=True``: CSA layer index -> the group's mean KL
