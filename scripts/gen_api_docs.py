@@ -72,6 +72,8 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.integrations.megatron", None),
     ("cpkv.integrations.megatron_attention", None),
     ("cpkv.integrations.transformers", None),
+    ("cpkv.integrations.transformers_lm", None),
+    ("cpkv.integrations.causal_lm", None),
     ("cpkv.launch", ["spawn", "RankError"]),
     ("cpkv.commstats", ["count_bytes", "ByteCounter"]),
 ]

@@ -21,7 +21,7 @@ DeepSeek-V4". ``transformers`` is imported lazily, only for a sliding layer with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 from torch import Tensor
@@ -35,9 +35,11 @@ from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.segments import CompressedPlan
 
 __all__ = [
+    "DeepseekV4AttentionOutput",
     "DeepseekV4Compressor",
     "DeepseekV4Indexer",
     "DeepseekV4PlanOptions",
+    "deepseek_v4_attention",
     "deepseek_v4_attention_forward",
     "deepseek_v4_plan_options",
     "deepseek_v4_spec",
@@ -272,6 +274,61 @@ def _rotary(module: Any, rotary_emb: Any) -> Any:
     return DeepseekV4RotaryEmbedding(module.config, device=module.q_a_proj.weight.device)
 
 
+class DeepseekV4AttentionOutput(NamedTuple):
+    """Result of :func:`deepseek_v4_attention`.
+
+    Attributes:
+        out: ``[T/cp, hidden]`` the module's output for this rank's tokens, module dtype.
+        indexer_loss: ``sum_t KL_t`` over this rank's queries (0-d float32 or float64, detached,
+            for logging) for a CSA layer with ``indexer_loss=True`` and entries on this rank,
+            else ``None``; the gradient is normalised by ``plan.num_global_queries``.
+    """
+
+    out: Tensor
+    indexer_loss: Tensor | None
+
+
+def deepseek_v4_attention(
+    module: Any, hidden_states: Tensor, plan: AttentionPlan, group: Group, *,
+    backend: BackendName | AttentionBackend = "auto", indexer_loss: bool = False, grad_scale: float = 1.0,
+    rotary_emb: Any = None,
+) -> DeepseekV4AttentionOutput:
+    """:func:`deepseek_v4_attention_forward` with the layer's indexer loss (for logging) beside its output.
+
+    Args and raises: as :func:`deepseek_v4_attention_forward`.
+
+    Returns:
+        :class:`DeepseekV4AttentionOutput`: ``out`` ``[T/cp, hidden]`` and ``indexer_loss``.
+
+    Example:
+        >>> out, kl = deepseek_v4_attention(layer.self_attn, x_local, plan, group, indexer_loss=True)  # doctest: +SKIP
+    """
+    _check(module, hidden_states, plan)
+    spec = deepseek_v4_spec(module, indexer_loss=indexer_loss)
+    rotary = _rotary(module, rotary_emb)
+    rope = _Rope.of(rotary, "main" if module.compressor is None else "compress")
+    positions = plan.q_positions.to(hidden_states.device)
+    num, heads, head_dim = hidden_states.shape[0], int(module.num_heads), int(module.head_dim)
+    q_residual = _rms_norm(module.q_a_proj(hidden_states), module.q_a_norm.weight, module.q_a_norm.variance_epsilon)
+    q = _rms_norm(module.q_b_proj(q_residual).view(num, heads, head_dim), None, module.q_b_norm.eps)
+    q = rope(q, positions)
+    kv = rope(_rms_norm(module.kv_proj(hidden_states), module.kv_norm.weight, module.kv_norm.variance_epsilon), positions)
+    compressor = indexer = index_features = None
+    if module.compressor is not None:
+        compressor = DeepseekV4Compressor(module.compressor, rotary)
+        if getattr(module.compressor, "indexer", None) is not None:
+            q_lora_rank = int(module.q_a_proj.out_features)
+            indexer = DeepseekV4Indexer(module.compressor.indexer, q_lora_rank, rotary, learn=indexer_loss)
+            index_features = torch.cat([q_residual, hidden_states], dim=-1)
+    result = attention_forward(
+        q, kv, plan, group, spec=spec, sinks=module.sinks, hidden=hidden_states if compressor is not None else None,
+        compressor=compressor, indexer=indexer, index_features=index_features, backend=backend, grad_scale=grad_scale,
+    )
+    out = rope(result.out, positions, inverse=True)
+    grouped = module.o_a_proj(out.reshape(num, int(module.config.o_groups), -1)).flatten(1)
+    return DeepseekV4AttentionOutput(module.o_b_proj(grouped), result.indexer_loss)
+
+
 def deepseek_v4_attention_forward(
     module: Any, hidden_states: Tensor, plan: AttentionPlan, group: Group, *,
     backend: BackendName | AttentionBackend = "auto", indexer_loss: bool = False, grad_scale: float = 1.0,
@@ -312,28 +369,7 @@ def deepseek_v4_attention_forward(
         >>> plan = plan_attention(cu_seqlens, cp, rank, **deepseek_v4_plan_options(config))  # doctest: +SKIP
         >>> out = deepseek_v4_attention_forward(layer.self_attn, x_local, plan, group)  # doctest: +SKIP
     """
-    _check(module, hidden_states, plan)
-    spec = deepseek_v4_spec(module, indexer_loss=indexer_loss)
-    rotary = _rotary(module, rotary_emb)
-    rope = _Rope.of(rotary, "main" if module.compressor is None else "compress")
-    positions = plan.q_positions.to(hidden_states.device)
-    num, heads, head_dim = hidden_states.shape[0], int(module.num_heads), int(module.head_dim)
-    q_residual = _rms_norm(module.q_a_proj(hidden_states), module.q_a_norm.weight, module.q_a_norm.variance_epsilon)
-    q = _rms_norm(module.q_b_proj(q_residual).view(num, heads, head_dim), None, module.q_b_norm.eps)
-    q = rope(q, positions)
-    kv = rope(_rms_norm(module.kv_proj(hidden_states), module.kv_norm.weight, module.kv_norm.variance_epsilon), positions)
-    compressor = indexer = index_features = None
-    if module.compressor is not None:
-        compressor = DeepseekV4Compressor(module.compressor, rotary)
-        if getattr(module.compressor, "indexer", None) is not None:
-            q_lora_rank = int(module.q_a_proj.out_features)
-            indexer = DeepseekV4Indexer(module.compressor.indexer, q_lora_rank, rotary, learn=indexer_loss)
-            index_features = torch.cat([q_residual, hidden_states], dim=-1)
-    result = attention_forward(
-        q, kv, plan, group, spec=spec, sinks=module.sinks, hidden=hidden_states if compressor is not None else None,
-        compressor=compressor, indexer=indexer, index_features=index_features, backend=backend, grad_scale=grad_scale,
-    )
-    out = rope(result.out, positions, inverse=True)
-    grouped = module.o_a_proj(out.reshape(num, int(module.config.o_groups), -1)).flatten(1)
-    output: Tensor = module.o_b_proj(grouped)
-    return output
+    return deepseek_v4_attention(
+        module, hidden_states, plan, group, backend=backend, indexer_loss=indexer_loss, grad_scale=grad_scale,
+        rotary_emb=rotary_emb,
+    ).out

@@ -1,0 +1,251 @@
+"""Labels and loss of a packed causal LM under CP, framework-free.
+
+A causal LM predicts token ``t + 1`` of a document from tokens ``<= t``. Under CP the label of
+a rank's last token lives on the next rank, so the labels are shifted on the whole packed
+batch, **before** sharding, within each document (:func:`shift_labels`: the last token of a
+document has no label), and then sharded like the tokens (:func:`shard_by_plan`). The mean
+over valid labels needs the count of the whole CP group: a rank dividing by its own count
+gets the wrong loss and gradients whenever the ranks' counts differ
+(:func:`global_valid_count`, :func:`causal_lm_loss`).
+
+Gradients of the replicated parameters (everything but what CP shards) come out of each
+rank partial; ``grad_reduction`` says how the user reduces them over the CP group (see
+docs/semantics.md, "A whole causal LM under CP"):
+
+* ``"sum"`` (default): each rank's loss is ``sum of its tokens' CE / N`` (``N`` the group's
+  valid count), so the SUM of the ranks' gradients is the single-process gradient: an
+  ``all_reduce(SUM)`` of the gradients over the CP group, as docs/design.md describes.
+* ``"mean"``: the rank's loss is multiplied by the CP size, so the MEAN of the ranks'
+  gradients is the single-process one: what DDP or FSDP over a data x CP mesh compute.
+
+Hugging Face's position-id convention (``DataCollatorWithFlattening``: positions restart at 0
+at every document) converts with :func:`cu_seqlens_from_position_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
+from cpkv.collectives import Group, check_group
+from cpkv.plan.attention import AttentionPlan
+from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.plan.sharding import contiguous_shard_range, zigzag_tnd_index
+
+__all__ = [
+    "GradReduction",
+    "causal_lm_loss",
+    "cu_seqlens_from_position_ids",
+    "global_valid_count",
+    "grad_reduction_scale",
+    "shard_by_plan",
+    "shift_labels",
+]
+
+GradReduction = Literal["sum", "mean"]
+"""How the replicated parameters' gradients are reduced over the CP group: ``"sum"`` or ``"mean"``."""
+
+GRAD_REDUCTIONS: tuple[GradReduction, ...] = ("sum", "mean")
+
+
+def _tokens(name: str, x: object) -> Tensor:
+    """``x`` as ``[T]``: a 1-D integer tensor, or ``[1, T]`` (Hugging Face's packed batch of one row)."""
+    tensor = check_tensor(name, x)
+    check_int_dtype(name, tensor)
+    check_ndim(name, tensor, (1, 2), "[T] or [1, T] (one packed row)")
+    if tensor.ndim == 2:
+        if tensor.shape[0] != 1:
+            raise ValueError(f"{name} must be [T] or [1, T] (one packed row), got shape {tuple(tensor.shape)}")
+        tensor = tensor[0]
+    return tensor
+
+
+def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
+    """Leading-zero ``cu_seqlens`` of a packed row whose positions restart at 0 at every document.
+
+    ``DataCollatorWithFlattening`` (Hugging Face) packs documents into one row with
+    ``position_ids = [0, 1, .., n_0 - 1, 0, 1, .., n_1 - 1, ..]``; a document starts wherever
+    the position is 0. Every other position must be its predecessor plus 1: anything else
+    (a document not starting at 0, a jump) raises instead of being read as some other batch.
+    Zero-length documents cannot be expressed in this form. A host sync.
+
+    Args:
+        position_ids: ``[T]`` or ``[1, T]`` int32/int64, ``T >= 1``.
+
+    Returns:
+        ``[B + 1]`` int64 on ``position_ids.device``.
+
+    Raises:
+        TypeError: not an integer tensor. ValueError: another shape, empty, or not the
+            restart-at-0 form (the first offending token is named).
+
+    Example:
+        >>> cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
+        [0, 3, 5, 6]
+    """
+    positions = _tokens("position_ids", position_ids).long()
+    if positions.numel() == 0:
+        raise ValueError("position_ids must hold at least one token, got an empty tensor")
+    host = positions.detach().cpu()
+    expected = torch.cat([host.new_zeros(1), host[:-1] + 1])
+    bad = torch.nonzero((host != 0) & (host != expected)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            "position_ids must restart at 0 at every document and count up by 1 within it"
+            f" (DataCollatorWithFlattening's form): token {i} has position {int(host[i])},"
+            f" expected 0 or {int(expected[i])}"
+        )
+    starts = torch.nonzero(host == 0).flatten()
+    cu = torch.cat([starts, torch.tensor([host.numel()])])
+    return cu.to(positions.device)
+
+
+def shift_labels(labels: Tensor, cu_seqlens: Tensor, *, ignore_index: int = -100) -> Tensor:
+    """Next-token labels of a packed batch, shifted within each document (before sharding).
+
+    ``shifted[t] = labels[t + 1]`` when ``t + 1`` is in ``t``'s document, else ``ignore_index``
+    (the last token of every document predicts nothing, never the next document's first
+    token). ``labels`` follow Hugging Face's convention: unshifted, ``labels[t]`` is token
+    ``t``'s own id (or ``ignore_index``), e.g. the input ids.
+
+    Args:
+        labels: ``[T]`` or ``[1, T]`` integer labels of the whole packed batch (all ranks' tokens).
+        cu_seqlens: ``[B + 1]`` leading-zero cu_seqlens of the batch, last entry ``T``.
+        ignore_index: the label of tokens without a target.
+
+    Returns:
+        ``[T]`` the shifted labels, ``labels``' dtype and device.
+
+    Raises:
+        TypeError, ValueError: not an integer ``[T]`` / ``[1, T]`` tensor, invalid
+            ``cu_seqlens`` or one that does not end at ``T``.
+
+    Example:
+        >>> shift_labels(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 3, 5])).tolist()
+        [6, 7, -100, 9, -100]
+    """
+    flat = _tokens("labels", labels)
+    check_int("ignore_index", ignore_index)
+    validate_cu_seqlens(cu_seqlens, num_tokens=flat.shape[0])
+    shifted = torch.cat([flat[1:], flat.new_full((1,), ignore_index)]) if flat.numel() else flat.clone()
+    ends = cu_seqlens[1:].to(flat.device).long()
+    ends = ends[ends > cu_seqlens[:-1].to(flat.device).long()] - 1  # last token of each non-empty document
+    return shifted.index_fill(0, ends, ignore_index)
+
+
+def shard_by_plan(x: Tensor, cu_seqlens: Tensor, plan: AttentionPlan, *, dim: int = 0) -> Tensor:
+    """This rank's tokens of a packed ``x`` in the plan's shard order (contiguous or per-document zigzag).
+
+    Args:
+        x: ``[T, ...]`` (tokens at ``dim``) of the whole packed batch.
+        cu_seqlens: the ``[B + 1]`` cu_seqlens the plan was made from.
+        plan: this rank's plan.
+
+    Returns:
+        ``[T/cp, ...]``: a view (contiguous) or a copy (zigzag), ``x``'s device.
+
+    Raises:
+        ValueError: ``x`` does not hold ``plan.num_tokens`` tokens at ``dim``, or ``cu_seqlens``
+            has another token count.
+    """
+    check_tensor("x", x)
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan from cpkv.plan_attention, got {type(plan).__name__}")
+    validate_cu_seqlens(cu_seqlens, num_tokens=plan.num_tokens)
+    if x.ndim == 0 or x.shape[dim] != plan.num_tokens:
+        raise ValueError(f"x must hold the plan's {plan.num_tokens} tokens (plan.num_tokens) along dim {dim}, got shape {tuple(x.shape)}")
+    if plan.layout == "contiguous":
+        start, length = contiguous_shard_range(plan.num_tokens, plan.cp_size, plan.cp_rank)
+        return x.narrow(dim, start, length)
+    return x.index_select(dim, zigzag_tnd_index(cu_seqlens, plan.cp_size, plan.cp_rank).to(x.device))
+
+
+def global_valid_count(labels: Tensor, group: Group, *, ignore_index: int = -100) -> Tensor:
+    """Labels ``!= ignore_index`` over the whole CP group (an ``all_reduce(SUM)``, no host sync).
+
+    Args:
+        labels: this rank's shifted labels ``[T/cp]`` (any shape), an integer tensor.
+        group: the CP group (``None``: the default group).
+        ignore_index: the label that does not count.
+
+    Returns:
+        0-d int64 on ``labels.device``, the same on every rank.
+
+    Raises:
+        TypeError: not an integer tensor, or ``group`` not a process group.
+    """
+    check_int_dtype("labels", check_tensor("labels", labels))
+    check_group("group", group)
+    count = (labels != ignore_index).sum().to(torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count
+
+
+def grad_reduction_scale(grad_reduction: GradReduction, group: Group) -> int:
+    """The factor on a rank's loss (and indexer ``grad_scale``) for ``grad_reduction``: 1 (``"sum"``) or the CP size (``"mean"``).
+
+    Raises:
+        ValueError: another ``grad_reduction``.
+    """
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {list(GRAD_REDUCTIONS)}, got {grad_reduction!r}")
+    return 1 if grad_reduction == "sum" else dist.get_world_size(group)
+
+
+def causal_lm_loss(
+    logits: Tensor, labels: Tensor, group: Group, *, num_items_in_batch: int | Tensor | None = None,
+    ignore_index: int = -100, grad_reduction: GradReduction = "sum",
+) -> Tensor:
+    """This rank's share of the CP group's mean next-token cross-entropy.
+
+    ``loss = scale * sum_{t local, labels[t] valid} CE(logits[t], labels[t]) / N`` with ``N`` =
+    ``num_items_in_batch`` or the group's valid count (:func:`global_valid_count`) and
+    ``scale`` = 1 for ``grad_reduction="sum"``, the CP size for ``"mean"``. The sum of the
+    ranks' losses (``"sum"``) is the single-process loss of the packed batch, each document on
+    its own. The cross-entropy is computed in ``promote_types(logits.dtype, float32)`` (as
+    Hugging Face: float32 for bf16/fp16/fp32 logits). ``N = 0`` gives a zero loss.
+
+    Args:
+        logits: ``[T/cp, V]`` this rank's logits, in the shard order of ``labels``.
+        labels: ``[T/cp]`` this rank's labels, already shifted (:func:`shift_labels` on the
+            whole batch, then :func:`shard_by_plan`).
+        group: the CP group (``None``: the default group).
+        num_items_in_batch: the normaliser when it spans more than this micro-batch (gradient
+            accumulation, data parallelism), as Hugging Face's argument of that name; default:
+            this micro-batch's global valid count (one all-reduce).
+        ignore_index: labels that do not count.
+        grad_reduction: how the gradients will be reduced over the CP group: ``"sum"`` or ``"mean"``.
+
+    Returns:
+        0-d loss, the compute dtype, differentiable w.r.t. ``logits``.
+
+    Raises:
+        TypeError, ValueError: logits not a float ``[T/cp, V]``, labels not an integer
+            ``[T/cp]`` of the same length, a non-positive ``num_items_in_batch``, an unknown
+            ``grad_reduction``.
+
+    Example:
+        >>> loss = causal_lm_loss(logits_local, labels_local, cp_group)  # doctest: +SKIP
+    """
+    check_ndim("logits", check_tensor("logits", logits), 2, "[T/cp, V]")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
+    check_int_dtype("labels", check_tensor("labels", labels))
+    if labels.ndim != 1 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"labels must be [T/cp] = [{logits.shape[0]}] (logits' rows), got shape {tuple(labels.shape)}")
+    scale = grad_reduction_scale(grad_reduction, group)
+    if num_items_in_batch is None:
+        count: Tensor = global_valid_count(labels, group, ignore_index=ignore_index)
+    elif isinstance(num_items_in_batch, Tensor):
+        count = num_items_in_batch.to(logits.device)
+    else:
+        count = torch.tensor(check_int("num_items_in_batch", num_items_in_batch, minimum=1), device=logits.device)
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    total = F.cross_entropy(logits.to(compute), labels.to(logits.device).long(), ignore_index=ignore_index, reduction="sum")
+    return total * scale / count.clamp(min=1).to(compute)

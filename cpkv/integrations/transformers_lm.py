@@ -1,0 +1,327 @@
+"""A whole Hugging Face ``DeepseekV4ForCausalLM`` under CP: one call per micro-batch, ids to loss.
+
+:func:`enable_deepseek_v4_cp` gives every ``DeepseekV4Attention`` of a model a forward that
+runs through :func:`cpkv.integrations.transformers.deepseek_v4_attention` when the call
+carries a :class:`DeepseekV4CPContext` in its keyword arguments (``cpkv_context=``), and is
+Hugging Face's own forward otherwise. Nothing is renamed or re-parented: the module keeps
+its class and parameters (``state_dict``, ``save_pretrained`` and name-based optimizer groups
+see the unwrapped model), and the model's embeddings, hyper-connections, MoE (hash-routed
+and learned), norms and head run as Hugging Face wrote them, on this rank's tokens.
+
+The plan travels in the forward's keyword arguments, which Hugging Face hands to every
+layer: no global state and no plan on a module, so activation checkpointing (which replays a
+layer with the keyword arguments of its own forward) recomputes each micro-batch with its
+own plan, however many forwards run before a backward.
+
+:func:`deepseek_v4_causal_lm_loss` is the one call: packed ids with ``cu_seqlens`` (or
+Hugging Face's restart-at-0 ``position_ids``) to this rank's loss, with the labels shifted
+before sharding and the loss normalised by the CP group's valid-label count
+(:mod:`cpkv.integrations.causal_lm`). It passes ``attention_mask={"cpkv": None}``, which
+Hugging Face's ``DeepseekV4Model`` takes as an already-built mask: no ``[T/cp, T/cp]`` mask
+is made (cpkv's plan is the mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpkv.backends.base import AttentionBackend, BackendName
+from cpkv.collectives import Group, check_group
+from cpkv.integrations.causal_lm import (
+    GradReduction,
+    causal_lm_loss,
+    cu_seqlens_from_position_ids,
+    global_valid_count,
+    grad_reduction_scale,
+    shard_by_plan,
+    shift_labels,
+)
+from cpkv.integrations.transformers import deepseek_v4_attention, deepseek_v4_plan_options
+from cpkv.plan.attention import AttentionPlan, Exchange, Layout, plan_attention
+from cpkv.plan.conventions import validate_cu_seqlens
+
+__all__ = [
+    "CONTEXT_KWARG",
+    "DeepseekV4CPContext",
+    "DeepseekV4CausalLMOutput",
+    "deepseek_v4_causal_lm_loss",
+    "enable_deepseek_v4_cp",
+]
+
+CONTEXT_KWARG = "cpkv_context"
+"""The keyword argument of a model's forward that carries the :class:`DeepseekV4CPContext`."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeepseekV4CPContext:
+    """What one forward of a CP-enabled DeepSeek-V4 model needs, passed as ``model(..., cpkv_context=ctx)``.
+
+    Made once per forward (micro-batch); never stored on a module.
+
+    Attributes:
+        plan: this rank's :class:`~cpkv.AttentionPlan` of the micro-batch, planned with
+            :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`.
+        group: the CP group (``None``: the default group).
+        backend: as in :func:`cpkv.attention_forward`.
+        indexer_loss: CSA layers: train the indexer with cpkv's KL loss.
+        grad_scale: multiplies the indexer-loss gradients.
+        records: filled by the forward: layer index -> its indexer loss (``sum_t KL_t`` over
+            this rank's queries, detached; ``None`` when the layer has none). A layer
+            recomputed by activation checkpointing writes the same value again.
+    """
+
+    plan: AttentionPlan
+    group: Group = None
+    backend: BackendName | AttentionBackend = "auto"
+    indexer_loss: bool = False
+    grad_scale: float = 1.0
+    records: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)
+
+
+def _is_attention(module: Any) -> bool:
+    return all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
+
+
+def _zero_tie(module: Any) -> Tensor | None:
+    """A 0-d zero that depends on every parameter of the compressor (and indexer): each gets a (zero) gradient.
+
+    A rank whose shard holds no block of a compressed layer does not run its compressor, so
+    those parameters would get no gradient there (``None``), and a DDP reducer without
+    ``find_unused_parameters=True`` fails. Empty slices give exact zeros (no ``0 * x``, so no
+    NaN from an inf).
+    """
+    if module.compressor is None or not torch.is_grad_enabled():
+        return None
+    terms = [p.reshape(-1)[:0].sum() for p in module.compressor.parameters() if p.requires_grad]
+    return torch.stack(terms).sum() if terms else None
+
+
+def _cp_attention_forward(
+    module: Any, rotary_emb: Any, hidden_states: Tensor, position_embeddings: Any = None, position_ids: Any = None,
+    attention_mask: Any = None, cache: Any = None, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The forward :func:`enable_deepseek_v4_cp` installs: cpkv with a context, else Hugging Face's (same arguments)."""
+    context = kwargs.pop(CONTEXT_KWARG, None)
+    if context is None:
+        result: tuple[Tensor, None] = type(module).forward(
+            module, hidden_states, position_embeddings, position_ids, attention_mask, cache=cache, **kwargs
+        )
+        return result
+    if not isinstance(context, DeepseekV4CPContext):
+        raise TypeError(f"{CONTEXT_KWARG} must be a DeepseekV4CPContext, got {type(context).__name__}")
+    if hidden_states.ndim != 3 or hidden_states.shape[0] != 1:
+        raise ValueError(f"hidden_states must be [1, T/cp, hidden] (one packed row) under CP, got {tuple(hidden_states.shape)}")
+    if cache is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError("a decoding cache is not supported under CP: call the model with use_cache=False")
+    if isinstance(attention_mask, Tensor):
+        raise ValueError(
+            "attention_mask must be None under CP (the plan is the mask): call the model with"
+            ' attention_mask={"cpkv": None} so that Hugging Face builds none'
+        )
+    if module.training and float(module.config.attention_dropout) > 0:
+        raise ValueError(f"attention dropout is not supported under CP, got config.attention_dropout={module.config.attention_dropout}")
+    out, indexer_loss = deepseek_v4_attention(
+        module, hidden_states[0], context.plan, context.group, backend=context.backend,
+        indexer_loss=context.indexer_loss, grad_scale=context.grad_scale, rotary_emb=rotary_emb,
+    )
+    context.records[int(module.layer_idx)] = indexer_loss
+    tie = _zero_tie(module)
+    return (out if tie is None else out + tie.to(out.dtype))[None], None
+
+
+def enable_deepseek_v4_cp(model: Any) -> Any:
+    """Let every ``DeepseekV4Attention`` of ``model`` run under CP when a forward carries a context.
+
+    Each attention module gets an instance ``forward`` that, given ``cpkv_context=`` (a
+    :class:`DeepseekV4CPContext`), runs the layer through cpkv on this rank's tokens (RoPE
+    from the model's ``rotary_emb`` at ``plan.q_positions``), and otherwise calls Hugging
+    Face's forward unchanged. The modules keep their class, names and parameters, so
+    ``state_dict`` keys are those of the model as loaded. Compressor (and indexer) parameters
+    get a zero gradient on ranks that hold no block of their layer. Call it once, before
+    wrapping the model (DDP, FSDP, ``torch.compile``); calling it again changes nothing.
+
+    Args:
+        model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (any module holding one).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` holds no ``DeepseekV4Attention`` or no ``rotary_emb``.
+
+    Example:
+        >>> model = enable_deepseek_v4_cp(DeepseekV4ForCausalLM(config))  # doctest: +SKIP
+    """
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    rotary = next((m.rotary_emb for m in modules if hasattr(m, "rotary_emb") and hasattr(m, "layers")), None)
+    attention = [m for m in modules if _is_attention(m)]
+    if rotary is None or not attention:
+        raise TypeError(f"model must be a transformers DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
+    for module in attention:
+        module.forward = functools.partial(_cp_attention_forward, module, rotary)
+    return model
+
+
+class DeepseekV4CausalLMOutput(NamedTuple):
+    """Result of :func:`deepseek_v4_causal_lm_loss`.
+
+    Attributes:
+        loss: 0-d, this rank's loss: call ``loss.backward()``, then reduce the gradients over
+            the CP group as ``grad_reduction`` said (sum, or the wrapper's mean).
+        lm_loss: 0-d, detached: the CP group's cross-entropy sum over ``N`` (with the default
+            ``N``, what one process gets for the whole micro-batch), the same on every rank, for
+            logging.
+        num_tokens: 0-d int64: the group's count of valid labels (the normaliser when
+            ``num_items_in_batch`` is not given).
+        indexer_losses: with ``indexer_loss=True``: CSA layer index -> the group's mean KL
+            over its query tokens (``sum_t KL_t / plan.num_global_queries``), detached, the same
+            on every rank; else empty.
+        logits: ``[T/cp, V]`` this rank's logits, in shard order.
+        labels: ``[T/cp]`` this rank's shifted labels, in shard order.
+        plan: this rank's plan of the micro-batch.
+    """
+
+    loss: Tensor
+    lm_loss: Tensor
+    num_tokens: Tensor
+    indexer_losses: dict[int, Tensor]
+    logits: Tensor
+    labels: Tensor
+    plan: AttentionPlan
+
+
+def _config(model: Any) -> Any:
+    """The ``config`` of ``model`` or of what it wraps (DDP's ``module``, ``torch.compile``'s ``_orig_mod``)."""
+    inner = model
+    for _ in range(8):
+        config = getattr(inner, "config", None)
+        if config is not None and hasattr(config, "layer_types"):
+            return config
+        wrapped = getattr(inner, "module", None)
+        inner = wrapped if wrapped is not None else getattr(inner, "_orig_mod", None)
+        if inner is None:
+            break
+    raise TypeError(f"model must be a DeepseekV4ForCausalLM (or wrap one), got {type(model).__name__} without a DeepseekV4Config")
+
+
+def _flat_ids(name: str, x: Tensor) -> Tensor:
+    if not isinstance(x, Tensor) or x.is_floating_point() or x.ndim not in (1, 2) or (x.ndim == 2 and x.shape[0] != 1):
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be an integer [T] or [1, T] tensor (one packed row), got {got}")
+    return x.reshape(-1)
+
+
+def _cu_seqlens(input_ids: Tensor, cu_seqlens: Tensor | None, position_ids: Tensor | None) -> Tensor:
+    """The batch's cu_seqlens from ``cu_seqlens`` or ``position_ids`` (the same documents when both are given)."""
+    if cu_seqlens is None and position_ids is None:
+        raise ValueError("pass the document boundaries: cu_seqlens=[B + 1] or position_ids restarting at 0 per document")
+    derived = None if position_ids is None else cu_seqlens_from_position_ids(position_ids)
+    if derived is not None and int(derived[-1]) != input_ids.numel():
+        raise ValueError(f"position_ids must hold input_ids' {input_ids.numel()} tokens, got {int(derived[-1])}")
+    if cu_seqlens is None:
+        assert derived is not None
+        return derived
+    validate_cu_seqlens(cu_seqlens, num_tokens=input_ids.numel())
+    if derived is not None and torch.unique_consecutive(cu_seqlens.long().cpu()).tolist() != derived.cpu().tolist():
+        raise ValueError("position_ids and cu_seqlens describe different documents: pass one of them")
+    return cu_seqlens
+
+
+def deepseek_v4_causal_lm_loss(
+    model: Any, input_ids: Tensor, group: Group, *, cu_seqlens: Tensor | None = None,
+    position_ids: Tensor | None = None, labels: Tensor | None = None, layout: Layout = "contiguous",
+    exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
+    num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
+    grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
+) -> DeepseekV4CausalLMOutput:
+    """One micro-batch of a CP-enabled ``DeepseekV4ForCausalLM``: the whole packed batch in, this rank's loss out.
+
+    Every rank of the CP group passes the same packed batch. The call plans it
+    (:func:`cpkv.plan_attention` with ``group=``: every rank raises when any rank's batch
+    differs), shifts the labels within each document on the whole batch, shards ids and
+    labels by the plan, runs ``model`` on this rank's tokens (positions ``plan.q_positions``,
+    no mask, no cache) and returns this rank's loss: ``scale * sum of its tokens' CE / N``
+    (:func:`cpkv.integrations.causal_lm.causal_lm_loss`). After ``loss.backward()`` the
+    gradients reduced over the CP group as ``grad_reduction`` says equal those of one
+    process running every document alone (Hugging Face's model, batch 1, positions from 0),
+    and ``lm_loss`` is that process's loss. Hugging Face's router auxiliary loss is not
+    added (``output_router_logits=False``; DeepSeek-V4 balances experts without it).
+
+    Args:
+        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP /
+            FSDP / ``torch.compile`` wrapper of one).
+        input_ids: ``[T]`` or ``[1, T]`` the whole packed batch, on the model's device.
+        group: the CP group (``None``: the default group).
+        cu_seqlens: ``[B + 1]`` leading-zero document boundaries; or
+        position_ids: ``[T]`` / ``[1, T]`` positions restarting at 0 per document
+            (``DataCollatorWithFlattening``); only the boundaries are read from them (the
+            positions used are the plan's, the same for well-formed ids).
+        labels: ``[T]`` / ``[1, T]`` unshifted labels (Hugging Face's convention, ``ignore_index``
+            where a token is no target); default ``input_ids``.
+        layout, exchange: as in :func:`cpkv.plan_attention`. Zigzag needs every document
+            length to be a multiple of ``2 * cp`` (pad with :func:`cpkv.pad_documents` and
+            give the padding ``ignore_index`` labels).
+        grad_reduction: ``"sum"`` if you all-reduce (SUM) the gradients over the CP group,
+            ``"mean"`` if DDP / FSDP averages them (over a data x CP mesh): the loss and the
+            indexer's ``grad_scale`` are then multiplied by the CP size.
+        num_items_in_batch: the loss normaliser when it spans several micro-batches (default:
+            this batch's valid labels over the group).
+        ignore_index: the label of tokens without a target.
+        indexer_loss, grad_scale, backend: as in
+            :func:`~cpkv.integrations.transformers.deepseek_v4_attention`.
+        check_ranks: compare the ranks' batches in the plan (two small all-reduces).
+
+    Returns:
+        :class:`DeepseekV4CausalLMOutput`.
+
+    Raises:
+        TypeError, ValueError: malformed ids, labels, boundaries or options (from the plan
+            and the loss); a model without :func:`enable_deepseek_v4_cp` (raised after the
+            forward, which then ran Hugging Face's attention on the shard alone).
+
+    Example:
+        >>> out = deepseek_v4_causal_lm_loss(model, input_ids, cp_group, cu_seqlens=cu_seqlens)  # doctest: +SKIP
+        >>> out.loss.backward()  # doctest: +SKIP
+    """
+    config = _config(model)
+    check_group("group", group)
+    ids = _flat_ids("input_ids", input_ids)
+    cu = _cu_seqlens(ids, cu_seqlens, position_ids)
+    scale = grad_reduction_scale(grad_reduction, group)
+    plan = plan_attention(
+        cu, dist.get_world_size(group), dist.get_rank(group), layout=layout, exchange=exchange,
+        group=dist.group.WORLD if group is None else group, check_ranks=check_ranks, **deepseek_v4_plan_options(config),
+    )
+    shifted = shift_labels(ids if labels is None else labels, cu, ignore_index=ignore_index)
+    ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
+    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale)
+    output = model(
+        input_ids=ids_local[None], position_ids=plan.q_positions.to(ids.device)[None], attention_mask={"cpkv": None},
+        use_cache=False, output_router_logits=False, **{CONTEXT_KWARG: context},
+    )
+    if getattr(output, "logits", None) is None:
+        raise TypeError(f"model must be a DeepseekV4ForCausalLM (with its head), got an output without logits: {type(output).__name__}")
+    expected = int(config.num_hidden_layers)
+    if len(context.records) != expected:
+        raise ValueError(
+            f"only {len(context.records)} of the model's {expected} attention layers ran under CP:"
+            " call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
+        )
+    logits = output.logits[0]
+    count = global_valid_count(labels_local, group, ignore_index=ignore_index)
+    loss = causal_lm_loss(
+        logits, labels_local, group, num_items_in_batch=count if num_items_in_batch is None else num_items_in_batch,
+        ignore_index=ignore_index, grad_reduction=grad_reduction,
+    )
+    csa = [i for i in sorted(context.records) if config.layer_types[i] == "compressed_sparse_attention"] if indexer_loss else []
+    kl = [context.records[i] for i in csa]
+    logged = torch.stack([loss.detach() / scale] + [loss.new_zeros(()) if v is None else v.detach().to(loss.dtype) for v in kl])
+    dist.all_reduce(logged, op=dist.ReduceOp.SUM, group=group)
+    indexer = {i: logged[k + 1] / plan.num_global_queries for k, i in enumerate(csa)}
+    return DeepseekV4CausalLMOutput(loss, logged[0], count, indexer, logits, labels_local, plan)
