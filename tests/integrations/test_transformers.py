@@ -11,7 +11,7 @@ ranks (what CP gradient reduction does), all in float64 with a tiny random confi
 
 Tolerances. HF computes its RMSNorms, RoPE, the gate softmax and the indexer scores in
 float32 even in a float64 module; the adapter computes them in float64. Against HF with
-those casts lifted to float64 (``_lifted``) the error is summation order only: <= 1e-10
+those casts lifted to float64 (``lifted``) the error is summation order only: <= 1e-10
 relative. Against HF as shipped: <= 1e-5 (float32 rounding of those intermediates, ~1e-7).
 
 The batches hold zero-length documents, documents shorter than a block (ratio 4 and 16),
@@ -25,7 +25,6 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ pytest.importorskip("transformers.models.deepseek_v4", reason="transformers>=5.2
 from cpkv.launch import spawn  # noqa: E402
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens  # noqa: E402
 from cpkv.plan.sharding import shard_contiguous, shard_zigzag_tnd, unshard_zigzag_tnd  # noqa: E402
+from tests.integrations import hf_oracle  # noqa: E402
 
 HIDDEN, WINDOW = 64, 8
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -162,36 +162,6 @@ def cp_run(request: pytest.FixtureRequest, cp_runs: dict[int, list[dict[str, Any
 # --- the Hugging Face side, in the test process ------------------------------------------
 
 
-class _LiftedTorch:
-    """``torch`` as HF's DeepSeek-V4 module sees it with its float32 casts lifted to float64."""
-
-    float32 = torch.float64
-    float = torch.float64
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def _lifted() -> Iterator[None]:
-    """HF's RMSNorm/RoPE/softmax/scorer ``torch.float32`` and ``.float()`` casts become float64."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4
-
-    with mock.patch.object(modeling_deepseek_v4, "torch", _LiftedTorch()), mock.patch.object(torch.Tensor, "float", torch.Tensor.double):
-        yield
-
-
-@contextlib.contextmanager
-def _earlier_ties() -> Iterator[None]:
-    """HF's indexer ``topk`` with ties to the earlier entry (cpkv's order; torch.topk's is unspecified)."""
-    def topk(self: torch.Tensor, k: int, dim: int = -1, **_: Any) -> Any:
-        values, order = self.sort(dim=dim, descending=True, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
-
-    with mock.patch.object(torch.Tensor, "topk", topk):
-        yield
-
-
 def _hf_run(index: int, lengths: list[int], *, ties: bool = False, lifted: bool = True) -> dict[str, Any]:
     """HF's module on each document alone (batch 1, positions from 0, window mask, top-k ties to the earlier entry)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
@@ -202,7 +172,7 @@ def _hf_run(index: int, lengths: list[int], *, ties: bool = False, lifted: bool 
     x, grad_out = _inputs(cu[-1])
     x = x.clone().requires_grad_(True)
     outs, total = [], x.new_zeros(())
-    with _lifted() if lifted else contextlib.nullcontext(), _earlier_ties():
+    with hf_oracle.lifted() if lifted else contextlib.nullcontext(), hf_oracle.earlier_ties():
         for start, end in zip(cu[:-1], cu[1:]):
             if end == start:
                 continue

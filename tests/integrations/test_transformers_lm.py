@@ -26,7 +26,7 @@ one that raises: no mask is built. The indexer (trained only with ``indexer_loss
 HF lacks) is compared with cp 1 of the same case.
 
 Tolerances. HF computes its RMSNorms, RoPE, softmaxes and hyper-connection weights in float32
-even in a float64 model; both sides run with those casts lifted to float64 (``_lifted``, as in
+even in a float64 model; both sides run with those casts lifted to float64 (``lifted``, as in
 test_transformers.py, whose shipped-cast comparison covers the attention), and the oracle's
 indexer top-k breaks ties towards the earlier entry, as cpkv does. What remains is summation
 order in float64 (eps 2.2e-16) through three layers of 20 Sinkhorn iterations, softmaxes and
@@ -58,6 +58,7 @@ from cpkv.integrations.causal_lm import (  # noqa: E402
 )
 from cpkv.launch import spawn  # noqa: E402
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens  # noqa: E402
+from tests.integrations import hf_oracle  # noqa: E402
 
 VOCAB, IGNORE = 64, -100
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -112,24 +113,6 @@ def _batch(lengths: list[int], seed: int) -> dict[str, Any]:
 
 
 BATCHES = {"main": (LENGTHS, 1), "other": (OTHER_LENGTHS, 2), "zigzag": (ZIGZAG_LENGTHS, 4)}
-
-
-class _LiftedTorch:
-    """``torch`` as HF's DeepSeek-V4 module sees it with its float32 casts lifted to float64."""
-
-    float32 = torch.float64
-    float = torch.float64
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-@contextlib.contextmanager
-def _lifted() -> Iterator[None]:
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4
-
-    with mock.patch.object(modeling_deepseek_v4, "torch", _LiftedTorch()), mock.patch.object(torch.Tensor, "float", torch.Tensor.double):
-        yield
 
 
 @contextlib.contextmanager
@@ -251,13 +234,13 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
         group = dist.new_group(list(range(cp)))  # collective: every rank creates every group
         if rank >= cp:
             continue
-        # Built outside _lifted(): HF's init draws (and its inv_freq) depend on the dtype.
+        # Built outside hf_oracle.lifted(): HF's init draws (and its inv_freq) depend on the dtype.
         models = [enable_deepseek_v4_cp(_model()) for _ in range(5)]
         plain = _model() if cp == 1 else None
         compiled = enable_deepseek_v4_cp(_model()) if cp == 2 else None
         for layer in compiled.model.layers if compiled is not None else []:
             layer.self_attn.compile(backend="aot_eager")  # the whole model: test_whole_model_compiles
-        with _lifted(), _no_mask():
+        with hf_oracle.lifted(), _no_mask():
             cases = {
                 "contiguous/allgather": _sum_case(models[0], group, batches["main"]),
                 "contiguous/need": _sum_case(models[1], group, batches["main"], exchange="need", source="position_ids"),
@@ -291,17 +274,6 @@ def cp_run(request: pytest.FixtureRequest, cp_runs: dict[int, dict[str, Any]]) -
 # --- the Hugging Face side, in the test process ------------------------------------------
 
 
-@contextlib.contextmanager
-def _earlier_ties() -> Iterator[None]:
-    """HF's indexer ``topk`` with ties to the earlier entry (cpkv's order; torch.topk's is unspecified)."""
-    def topk(self: torch.Tensor, k: int, dim: int = -1, **_: Any) -> Any:
-        values, order = self.sort(dim=dim, descending=True, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), order.narrow(dim, 0, k)))
-
-    with mock.patch.object(torch.Tensor, "topk", topk):
-        yield
-
-
 @functools.cache
 def _hf(key: str) -> dict[str, Any]:
     """HF's model on each document alone: the batch's mean next-token CE over valid labels, and its gradients."""
@@ -309,7 +281,7 @@ def _hf(key: str) -> dict[str, Any]:
     model = _model()
     cu = batch["cu"].tolist()
     total, count = torch.zeros((), dtype=torch.float64), 0
-    with _lifted(), _earlier_ties():
+    with hf_oracle.lifted(), hf_oracle.earlier_ties():
         for start, end in zip(cu[:-1], cu[1:]):
             if end - start < 2:
                 continue
@@ -398,7 +370,7 @@ def test_compiled_attention_matches_hf(cp_runs: dict[int, dict[str, Any]]) -> No
 
 
 def _compiled_model(rank: int, world: int) -> dict[str, Any]:
-    """The whole model compiled, and eager, both as HF ships it (Dynamo does not see _lifted's patches)."""
+    """The whole model compiled, and eager, both as HF ships it (Dynamo does not see lifted's patches)."""
     from cpkv.integrations.transformers_lm import enable_deepseek_v4_cp
 
     eager, compiled = enable_deepseek_v4_cp(_model()), enable_deepseek_v4_cp(_model())
