@@ -89,7 +89,7 @@ class ShardLayout:
             TypeError: not a sequence of tensors. ValueError: not ``cp_size`` shards, a shard with
                 the wrong number of rows at ``dim``, or shards that differ in their other dims.
         """
-        if isinstance(shards, Tensor) or not isinstance(shards, Sequence) or len(shards) != self.cp_size:
+        if not isinstance(shards, (list, tuple)) or len(shards) != self.cp_size:
             raise ValueError(f"shards must be a sequence of cp_size = {self.cp_size} tensors, one per rank")
         lens = self.local_lens
         for rank, part in enumerate(shards):
