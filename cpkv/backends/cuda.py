@@ -358,7 +358,7 @@ class CUDABackend:
             return self._reference.varlen_attention(q, k, v, segments, scale=scale, window=window, sinks=sinks)
         if route == "triton":
             hi = segments.q_kv_rows.to(q.device, torch.int64) + 1
-            lo = segments.q_doc_rows.to(q.device, torch.int64).clamp(min=0)
+            lo = segments.q_first_rows.to(q.device, torch.int64)
             width = segments.max_seqlen_kv if window is None else min(window, segments.max_seqlen_kv)
             lo = lo if window is None else torch.maximum(lo, hi - window)
             return self._list_attention(q, k, v, lo, hi, width, scale, sinks)
