@@ -371,7 +371,9 @@ class CUDABackend:
         """One ring round through the kernel, in the :class:`~cpkv.backends.base.KeyRanges` kernel form.
 
         Query rows ``[0, num_rows)`` attend bottom-right aligned over all ``num_keys`` keys
-        with ``window_size=(left, -1)``; the other rows see no key.
+        with ``window_size=(left, -1)``; the other rows see no key. Ranges without that form
+        (``ranges.bottom_right`` False: a layout whose rounds span several documents) run the
+        index-list Triton kernel over ``lo``/``hi``, else the reference.
 
         Args:
             q: ``[T_q, H, D]`` fp16/bf16. k: ``[n, H_kv, D]``, v: ``[n, H_kv, D_v]``, ``n = ranges.num_keys``.
@@ -395,6 +397,8 @@ class CUDABackend:
             return AttentionResult(out, torch.full(q.shape[:2], float("-inf"), dtype=_acc(q.dtype), device=q.device))
         window_size = (ranges.left, -1)
         route = self._route(q, k, v, window_size, prefer_triton=False)
+        if route == "flash" and not ranges.bottom_right:  # ranges of several documents: only lo/hi say them
+            route = "triton" if self._triton_reason(q, k.shape[1]) is None else "reference"
         if route == "reference":
             return self._reference.range_attention(q, k, v, ranges, scale=scale)
         if route == "triton":
