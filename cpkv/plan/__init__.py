@@ -13,6 +13,7 @@ from cpkv.plan.attention import (
     bsnd_cu_seqlens,
     plan_attention,
 )
+from cpkv.plan.balance import CostModel, balanced_layout, rank_costs
 from cpkv.plan.conventions import (
     CompressedSeqlens,
     PaddedDocuments,
@@ -29,9 +30,9 @@ from cpkv.plan.routes import CompressedRoutes, Routes, plan_routes
 from cpkv.plan.segments import CompressedPlan, EntryVisibility, KeyRanges, SegmentPlan, plan_segments
 
 __all__ = [
-    "AttentionPlan", "CompressedPlan", "CompressedRoutes", "CompressedSeqlens", "EntryVisibility", "Exchange",
+    "AttentionPlan", "CompressedPlan", "CompressedRoutes", "CompressedSeqlens", "CostModel", "EntryVisibility", "Exchange",
     "KVSource", "KeyRanges", "Layout", "PaddedDocuments", "PrefixKVPlan", "RingRound", "Routes", "SegmentPlan",
-    "actual_seq_len_to_cu_seqlens", "bsnd_cu_seqlens", "compress_cu_seqlens", "compute_prefix_kv_cu_seqlens",
+    "actual_seq_len_to_cu_seqlens", "balanced_layout", "bsnd_cu_seqlens", "compress_cu_seqlens", "compute_prefix_kv_cu_seqlens",
     "cu_seqlens_to_actual_seq_len", "pad_documents", "plan_attention", "plan_routes", "plan_segments",
-    "rearrange_prefix_kv", "seqlens_to_cu_seqlens", "slice_tnd_kv_prefix", "token_positions", "validate_cu_seqlens",
+    "rank_costs", "rearrange_prefix_kv", "seqlens_to_cu_seqlens", "slice_tnd_kv_prefix", "token_positions", "validate_cu_seqlens",
 ]
