@@ -13,6 +13,8 @@ Pure, typed functions over tensors and explicit process groups:
 * collectives: :func:`gather_from_sp_cp`, :func:`global_num_seqs`,
   :func:`all_gather_qk_weight_kvallgather`;
 * DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`;
+* layouts: :func:`balanced_layout` cuts documents so that a DeepSeek-V4 :class:`CostModel`
+  is equal on every rank (:func:`rank_costs`);
 * the pipeline: :func:`plan_attention` (layout, exchange, ring rounds, compress ratios and
   windows: the whole description of a micro-batch) and its one executor :func:`attention_forward`;
 * :func:`exchange_rows` (need-exchange routes), :func:`merge_partials` and
@@ -44,6 +46,7 @@ from cpkv.plan import (
     AttentionPlan,
     CompressedPlan,
     CompressedSeqlens,
+    CostModel,
     EntryVisibility,
     Exchange,
     KeyRanges,
@@ -53,6 +56,7 @@ from cpkv.plan import (
     Routes,
     SegmentPlan,
     actual_seq_len_to_cu_seqlens,
+    balanced_layout,
     bsnd_cu_seqlens,
     compress_cu_seqlens,
     compute_prefix_kv_cu_seqlens,
@@ -60,6 +64,7 @@ from cpkv.plan import (
     pad_documents,
     plan_attention,
     plan_segments,
+    rank_costs,
     rearrange_prefix_kv,
     seqlens_to_cu_seqlens,
     slice_tnd_kv_prefix,
@@ -94,6 +99,7 @@ __all__ = [
     "CompressedPlan",
     "CompressedSeqlens",
     "CompressorFn",
+    "CostModel",
     "EntryVisibility",
     "Exchange",
     "Group",
@@ -109,6 +115,7 @@ __all__ = [
     "actual_seq_len_to_cu_seqlens",
     "all_gather_qk_weight_kvallgather",
     "attention_forward",
+    "balanced_layout",
     "bsnd_cu_seqlens",
     "check_same_on_all_ranks",
     "check_zigzag_tnd_lengths",
@@ -125,6 +132,7 @@ __all__ = [
     "permute_cp_shard",
     "plan_attention",
     "plan_segments",
+    "rank_costs",
     "rearrange_prefix_kv",
     "seqlens_to_cu_seqlens",
     "shard_contiguous",

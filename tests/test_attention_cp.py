@@ -54,7 +54,7 @@ ZIGZAG_LENGTHS = {"window": [48, 0, 24, 72], "dense": [48, 0, 24, 72], "compress
                   "mixed": [48, 24, 24, 24, 24]}
 EXCHANGES = ["allgather", "need"]
 RINGS = [2, 3, 4]
-LAYOUTS = ["tnd", "zigzag", "custom"]  # "tnd": contiguous
+LAYOUTS = ["tnd", "zigzag", "balanced", "custom"]  # "tnd": contiguous
 LAYOUT_RINGS = {"tnd": RINGS, "zigzag": [3], "balanced": [3], "custom": [2]}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

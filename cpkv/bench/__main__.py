@@ -2,6 +2,8 @@
 
 Writes ``docs/benchmarks.md`` and ``docs/benchmarks.png`` (``--out``, ``--plot``) and
 prints the same tables. ``--smoke`` runs tiny sizes (used by the tests).
+``python -m cpkv.bench layouts [...]`` runs :mod:`cpkv.bench.layouts` instead (its section of
+``docs/benchmarks.md``, which this run keeps).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from cpkv.bench import layouts
 from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.memory import LayerDims, layer_memory
 from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
@@ -378,7 +381,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success."""
+    """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success.
+
+    ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["layouts"]:
+        return layouts.main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
@@ -417,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     if plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"
     report += "\nGPU (CUDA backend) checks and timings: [gpu_check.md](gpu_check.md).\n"
-    args.out.write_text(report)
+    kept = layouts.existing_section(args.out.read_text()) if args.out.exists() else ""
+    args.out.write_text(report + ("\n" + kept if kept else ""))  # the layouts section, from its own run
     print(report)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

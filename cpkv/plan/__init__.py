@@ -5,6 +5,7 @@ the CP group to index tensors and host ints, once per micro-batch; the layers on
 """
 
 from cpkv.plan.attention import AttentionPlan, Exchange, Layout, bsnd_cu_seqlens, plan_attention
+from cpkv.plan.balance import CostModel, balanced_layout, rank_costs
 from cpkv.plan.conventions import (
     CompressedSeqlens,
     PaddedDocuments,
@@ -22,10 +23,10 @@ from cpkv.plan.routes import CompressedRoutes, KVSource, RingRound, Routes, plan
 from cpkv.plan.segments import CompressedPlan, EntryVisibility, KeyRanges, SegmentPlan, plan_segments
 
 __all__ = [
-    "AttentionPlan", "CompressedPlan", "CompressedRoutes", "CompressedSeqlens", "EntryVisibility", "Exchange",
+    "AttentionPlan", "CompressedPlan", "CompressedRoutes", "CompressedSeqlens", "CostModel", "EntryVisibility", "Exchange",
     "KVSource", "KeyRanges", "Layout", "PaddedDocuments", "PrefixKVPlan", "RingRound", "Routes", "SegmentPlan",
     "ShardLayout", "contiguous_layout", "layout_from_ranges", "zigzag_layout",
-    "actual_seq_len_to_cu_seqlens", "bsnd_cu_seqlens", "compress_cu_seqlens", "compute_prefix_kv_cu_seqlens",
+    "actual_seq_len_to_cu_seqlens", "balanced_layout", "bsnd_cu_seqlens", "compress_cu_seqlens", "compute_prefix_kv_cu_seqlens",
     "cu_seqlens_to_actual_seq_len", "pad_documents", "plan_attention", "plan_routes", "plan_segments",
-    "rearrange_prefix_kv", "seqlens_to_cu_seqlens", "slice_tnd_kv_prefix", "token_positions", "validate_cu_seqlens",
+    "rank_costs", "rearrange_prefix_kv", "seqlens_to_cu_seqlens", "slice_tnd_kv_prefix", "token_positions", "validate_cu_seqlens",
 ]

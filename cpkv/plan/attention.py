@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
 from cpkv.agreement import agree
 from cpkv.collectives import check_group, check_group_position, check_same_on_all_ranks
+from cpkv.plan.balance import CostModel, balanced_layout
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, contiguous_layout, expand_ranges, zigzag_layout
 from cpkv.plan.need import Partition, compressed_need, kv_need, token_partition
@@ -183,7 +184,9 @@ def _full_prefix(layout: ShardLayout, rank: int, ratios: Sequence[int], gather_l
     return plan_segments(cu_q, cu_kv, compress_ratios=ratios), owner * gather_len + local
 
 
-def shard_layout(cu_seqlens: Tensor, cp_size: int, layout: Layout | ShardLayout) -> ShardLayout:
+def shard_layout(
+    cu_seqlens: Tensor, cp_size: int, layout: Layout | ShardLayout, cost_model: CostModel | None = None
+) -> ShardLayout:
     """Every rank's token ranges for ``layout`` (validated against ``cu_seqlens`` and ``cp_size``).
 
     Raises:
@@ -197,9 +200,9 @@ def shard_layout(cu_seqlens: Tensor, cp_size: int, layout: Layout | ShardLayout)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or a ShardLayout, got {layout!r}")
     if layout == "balanced":
-        from cpkv.plan.balance import balanced_layout  # noqa: PLC0415 - the cost model is needed only here
-
-        return balanced_layout(cu_seqlens, cp_size)
+        return balanced_layout(cu_seqlens, cp_size, cost_model)
+    if cost_model is not None:
+        raise ValueError(f"cost_model is for layout='balanced' only, got layout={layout!r}")
     num_tokens = int(cu_seqlens[-1])
     if num_tokens % cp_size:
         raise ValueError(
@@ -216,7 +219,7 @@ def plan_attention(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout | ShardLayout = "contiguous", exchange: Exchange = "allgather",
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
     prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
-    check_ranks: bool = True, padding: Tensor | None = None,
+    check_ranks: bool = True, padding: Tensor | None = None, cost_model: CostModel | None = None,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
@@ -229,8 +232,8 @@ def plan_attention(
         cp_size, cp_rank: CP group size and this rank.
         layout: ``"contiguous"``, ``"zigzag"`` (per-document zigzag TND; zigzag BSND is this
             layout with equal-length documents, see :func:`bsnd_cu_seqlens`), ``"balanced"``
-            (ranges cut by DeepSeek-V4-Flash's modeled cost, :func:`cpkv.plan.balance.balanced_layout`;
-            for other weights pass ``balanced_layout(cu_seqlens, cp_size, cost)``), or any
+            (ranges cut so that ``cost_model``'s modeled cost is equal on every rank,
+            :func:`cpkv.plan.balance.balanced_layout`), or any
             :class:`~cpkv.plan.layouts.ShardLayout` (the same on every rank). Cut the batch's
             per-token tensors with ``plan.shard(x)``.
         exchange: ``"allgather"`` or ``"need"`` (any layout).
@@ -269,6 +272,8 @@ def plan_attention(
             attended like any other (causality keeps them out of real tokens' outputs; mask
             their loss), but they do not count in the indexer loss: ``plan.valid_queries``
             marks the real local rows and ``plan.num_global_queries`` counts real tokens only.
+        cost_model: ``layout="balanced"``: the :class:`~cpkv.plan.balance.CostModel` to balance
+            (default: DeepSeek-V4-Flash's layer stack).
 
     Returns:
         :class:`AttentionPlan`.
@@ -276,7 +281,8 @@ def plan_attention(
     Raises:
         TypeError, ValueError: invalid ``cu_seqlens``, ``T % cp_size != 0`` (contiguous, zigzag),
             rank out of range, an unknown layout or exchange, a ``ShardLayout`` made for other
-            ``cu_seqlens`` or ``cp_size``, ``ring_degree > 1`` without ``exchange="need"``, a zigzag document
+            ``cu_seqlens`` or ``cp_size``, ``cost_model`` with another layout, ``ring_degree > 1``
+            without ``exchange="need"``, a zigzag document
             length not divisible by ``2 * cp_size`` (the first one is named), ``compress_ratios``
             or ``windows`` not a sequence, ``prev_blocks`` not a mapping or naming an unplanned
             ratio, a ratio ``< 2``, a window ``< 1``, a group position other than
@@ -292,7 +298,7 @@ def plan_attention(
     """
     def build() -> AttentionPlan:
         return _build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios, windows,
-                           prev_blocks, check_modules, padding)
+                           prev_blocks, check_modules, padding, cost_model)
 
     if group is None:
         return build()
@@ -314,7 +320,7 @@ def _options(plan: AttentionPlan) -> list[int]:
     """The plan's options as integers, for the cross-rank comparison."""
     windows = [-1 if w is None else w for w in plan.windows]
     ranges: list[int] = []
-    if plan.layout == "custom":  # every rank must pass the same ShardLayout
+    if plan.layout in ("custom", "balanced"):  # every rank must hold the same ranges (and cost model)
         shards = plan.layout_ranges
         ranges = [-7, *shards.starts.tolist(), -7, *shards.ranks.tolist()]
     return [(*LAYOUTS, "custom").index(plan.layout), EXCHANGES.index(plan.exchange), plan.ring_degree,
@@ -338,7 +344,7 @@ def _int_sequence(name: str, value: object, *, minimum: int, allow_none: bool = 
 def _build_plan(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, layout: Layout | ShardLayout, exchange: Exchange, ring_degree: int,
     compress_ratios: Sequence[int], windows: Sequence[int | None], prev_blocks: Mapping[int, int] | None,
-    check_modules: bool, padding: Tensor | None,
+    check_modules: bool, padding: Tensor | None, cost_model: CostModel | None = None,
 ) -> AttentionPlan:
     """:func:`plan_attention` without the group: validate, then plan."""
     if exchange not in EXCHANGES:
@@ -355,7 +361,7 @@ def _build_plan(
     planned_windows = _int_sequence("windows", windows, minimum=1, allow_none=True)
     reach = _prev_blocks(ratios, prev_blocks)
     real_lengths = _real_lengths(cu_seqlens, padding)
-    shards = shard_layout(cu_seqlens, cp_size, layout)
+    shards = shard_layout(cu_seqlens, cp_size, layout, cost_model)
     name: LayoutName = "custom" if isinstance(layout, ShardLayout) else layout
     num_tokens, local_len, gather_len = int(cu_seqlens[-1]), shards.local_lens[cp_rank], max(shards.local_lens)
     device = cu_seqlens.device

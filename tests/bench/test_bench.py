@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from cpkv.bench.__main__ import main
+from cpkv.bench.layouts import BEGIN, END, StackRows, allgather_bytes, existing_section, limit_rows, make_layout, replace_section
 from cpkv.bench.planning import attention_planning_times, loop_plan, planning_times, random_documents, tensor_loop_plan
 from cpkv.bench.traffic import Dims, layer_traffic, physical_limit
 from cpkv.bench.walltime import largest_round_rows
 from cpkv.commstats import count_bytes
 from cpkv.launch import spawn
 from cpkv.plan.attention import plan_attention
+from cpkv.plan.balance import CostModel
 from cpkv.plan.conventions import seqlens_to_cu_seqlens
+from cpkv.plan.layouts import ShardLayout, contiguous_layout
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
@@ -91,3 +94,58 @@ def test_ring_rounds_split_the_halo() -> None:
             plan = plan_attention(cu, 4, rank, exchange="need", ring_degree=ring, windows=[None])
             rounds = [r.routes.num_recv for r in plan.kv_source(None).rounds]
             assert sum(rounds) == halo and largest_round_rows(plan, None) == max(rounds) <= -(-halo // ring)
+
+
+def _set_limit(layout: ShardLayout, rank: int, window: int, prev: dict[int, int]) -> StackRows:
+    """limit_rows by Python sets, token by token: what the rank's queries read that it does not hold."""
+    cu = layout.cu_seqlens.tolist()
+    mine = set(layout.local_tokens(rank).tolist())
+    doc_of = {t: (s, e) for s, e in zip(cu, cu[1:]) for t in range(s, e)}
+    keys = {k for q in mine for k in range(max(doc_of[q][0], q - window + 1), q + 1)} - mine
+    hidden, entries = {}, {}
+    for ratio, before in prev.items():
+        blocks = [(s, s + (j + 1) * ratio - 1) for s, e in zip(cu, cu[1:]) for j in range((e - s) // ratio)]
+        entries[ratio] = len({b for b in blocks if b[1] not in mine and any(doc_of[q][0] == b[0] and q >= b[1] for q in mine)})
+        reads = {t for s, last in blocks if last in mine for t in range(max(s, last + 1 - (before + 1) * ratio), last + 1)}
+        hidden[ratio] = len(reads - mine)
+    return StackRows(len(keys), hidden, entries)
+
+
+@pytest.mark.parametrize("name", ["contiguous", "zigzag", "balanced"])
+def test_layout_limit_is_the_set_of_remote_rows(name: str) -> None:
+    cu = seqlens_to_cu_seqlens([37, 0, 130, 3, 64, 9, 1, 140], dtype=torch.int64)  # 384 tokens
+    for cp in (3, 4):
+        layout, _, _ = make_layout(name, cu, cp, CostModel())
+        for rank in range(cp):
+            assert limit_rows(layout, rank, 16, {4: 1, 8: 0}) == _set_limit(layout, rank, 16, {4: 1, 8: 0}), (cp, rank)
+
+
+def test_layout_limit_and_allgather_match_the_per_layer_model_on_contiguous() -> None:
+    """Two independent limits agree (traffic.physical_limit from document lengths), and the all-gather formula counts
+    what layer_traffic counts on the real collective calls."""
+    cu = seqlens_to_cu_seqlens([300, 5, 700, 19, 0, 256], dtype=torch.int64)  # 1280 tokens
+    layout = contiguous_layout(cu, 4)
+    kv, hidden = SMALL.kv_dim * SMALL.element_bytes, SMALL.hidden * SMALL.element_bytes
+    one_layer = {0: CostModel(swa_layers=1, csa_layers=0, hca_layers=0, window=16),
+                 4: CostModel(swa_layers=0, csa_layers=1, hca_layers=0, window=16)}
+    for rank in range(4):
+        rows = limit_rows(layout, rank, 16, {4: 1, 8: 0})
+        assert rows.window * kv == physical_limit(cu, 4, rank, 0, SMALL)
+        for ratio in (4, 8):
+            entry = kv + (SMALL.key_row_bytes() if ratio == 4 else 0)
+            per_layer = rows.window * kv + rows.entries[ratio] * entry + rows.hidden[ratio] * hidden
+            assert per_layer == physical_limit(cu, 4, rank, ratio, SMALL), (rank, ratio)
+        for ratio, model in one_layer.items():
+            assert allgather_bytes(layout, rank, model, SMALL) == layer_traffic(cu, 4, rank, ratio, "allgather", SMALL).forward
+
+
+def test_layouts_smoke_run_writes_its_section_and_keeps_the_rest(tmp_path: Path) -> None:
+    out, png = tmp_path / "b.md", tmp_path / "l.png"
+    out.write_text("# Benchmarks\n\nother tables\n")
+    for _ in range(2):  # the second run replaces the section
+        assert main(["layouts", "--smoke", "--out", str(out), "--plot", str(png)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nother tables\n") and text.count(BEGIN) == 1 and text.count(END) == 1
+    assert "| one document | 4 | balanced | 0 | 1.000 |" in text and "| one document | 4 | contiguous | 0 |" in text
+    assert existing_section(text).startswith(BEGIN) and png.exists()
+    assert replace_section("# B\n", existing_section(text)) == "# B\n\n" + existing_section(text)
