@@ -45,22 +45,11 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
 
 import torch  # noqa: E402
 
-from cpkv.backends.triton.launches import AOTCase, KernelLaunch  # noqa: E402
+from cpkv.backends.triton.launches import AOTCase, KernelLaunch, v4_cases  # noqa: E402
 
 SM_REGS, SM_SMEM, SM_THREADS, SM_BLOCKS = 65536, 228 * 1024, 2048, 32
 BLOCK_SMEM_RESERVED = 1024  # the driver's per-block reservation on sm_90
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-
-
-def v4_cases() -> list[AOTCase]:
-    """V4-Flash and V4-Pro in bf16 and fp32 (T 8192 query rows, N 2048 compressed kv rows: sizes do not change the code)."""
-    cases = []
-    for model, heads, topk in (("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)):
-        for dtype in (torch.bfloat16, torch.float32):
-            cases.append(AOTCase(f"{model} {DTYPES[dtype]}", dtype, tokens=8192, kv_rows=2048, heads=heads, dim=512,
-                                 d_v=512, topk=topk + 128, index_heads=64, index_dim=128, index_topk=topk,
-                                 index_rows=2048))
-    return cases
 
 
 @dataclass(frozen=True)
