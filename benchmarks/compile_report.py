@@ -14,8 +14,10 @@ Per kernel and case it prints registers a thread, spill bytes (stores + loads), 
 memory, blocks per SM (the least of the register, shared-memory, thread and block limits
 of an H100/H200 SM: 65536 registers, 228 KiB shared memory, 2048 threads, 32 blocks), and
 for each ``tl.dot`` (by source line) the instruction it lowered to: ``wgmma`` (Hopper warp-group
-MMA, with its instruction shape and warps per CTA), ``mma.sync`` (Ampere-style) or ``FMA``
-(no tensor cores: the fp32 IEEE path). The last line is
+MMA, with its result shape, instruction shape and warps per CTA; ``(x2 replicated)`` when
+the warps along M cover more rows than the dot has, so each warpgroup computes the same
+rows), ``mma.sync`` (Ampere-style) or ``FMA`` (no tensor cores: the fp32 IEEE path), and
+the kernel's PTX counts of ``wgmma.mma_async``, ``mma.sync`` and ``fma.rn.f32``. The last line is
 ``compile report: N kernel configs, S with spills, M dots not on wgmma (bf16)``; the exit
 status is 1 on a compile error or on a spill in a bf16 case (CI's condition).
 
@@ -72,6 +74,7 @@ class Compiled:
     smem: int
     threads: int
     dots: tuple[Dot, ...]
+    ptx_counts: tuple[int, int, int]  # wgmma.mma_async, mma.sync, fma.rn.f32 instructions in the PTX
 
     @property
     def blocks_per_sm(self) -> int:
@@ -149,13 +152,18 @@ def _dots(ttgir: str) -> tuple[Dot, ...]:
             continue
         loc = re.search(r"loc\((#loc\d*)\)\s*$", line)
         src = locs.get(loc.group(1), 0) if loc else 0
-        result = re.search(r"-> tensor<[^>]*, (#\w+)>", line)
-        enc = encodings.get(result.group(1), "") if result else ""
+        result = re.search(r"-> tensor<(\d+)x(\d+)x\w+, (#\w+)>", line)
+        enc = encodings.get(result.group(3), "") if result else ""
         detail = ""
-        if enc:
+        if enc and result:
             shape = re.search(r"instrShape = \[([^\]]*)\]", enc)
             warps = re.search(r"warpsPerCTA = \[([^\]]*)\]", enc)
-            detail = f"instr [{shape.group(1) if shape else '?'}] warps [{warps.group(1) if warps else '?'}]"
+            detail = f"{result.group(1)}x{result.group(2)} instr [{shape.group(1) if shape else '?'}] " \
+                     f"warps [{warps.group(1) if warps else '?'}]"
+            if warps and op.group(1) == "ttng.warp_group_dot":
+                rows = 16 * int(warps.group(1).split(",")[0])  # wgmma: 16 rows a warp along M
+                if rows > int(result.group(1)):
+                    detail += f" (x{rows // int(result.group(1))} replicated)"
         if op.group(1) == "ttng.warp_group_dot":
             kind = "wgmma"
         elif "versionMajor = 2" in enc:
@@ -190,9 +198,12 @@ def compile_launch(launch: KernelLaunch, case: str) -> Compiled:
     src = ASTSource(launch.kernel, signature, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
-    regs, spills = _ptxas(compiled.asm["ptx"], "sm_90a")
+    ptx = compiled.asm["ptx"]
+    regs, spills = _ptxas(ptx, "sm_90a")
+    counts = (len(re.findall(r"\bwgmma\.mma_async", ptx)), len(re.findall(r"\bmma\.sync", ptx)),
+              len(re.findall(r"\bfma\.rn\.f32", ptx)))
     return Compiled(launch.name, case, regs, spills, int(compiled.metadata.shared), 32 * launch.num_warps,
-                    _dots(compiled.asm["ttgir"]))
+                    _dots(compiled.asm["ttgir"]), counts)
 
 
 def all_launches(case: AOTCase) -> list[KernelLaunch]:
@@ -223,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows: list[Compiled] = []
     errors = 0
-    header = f"{'kernel':<22}{'case':<16}{'warps':>6}{'regs':>6}{'spill B':>9}{'smem KiB':>10}{'blk/SM':>8}  dots (source line: instruction)"
+    header = (f"{'kernel':<22}{'case':<16}{'warps':>6}{'regs':>6}{'spill B':>9}{'smem KiB':>10}{'blk/SM':>8}"
+              f"{'PTX wgmma/mma/fma':>20}  dots (source line: instruction)")
     print(header)
     print("-" * len(header))
     for case in cases:
@@ -236,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(row)
             print(f"{row.name:<22}{row.case:<16}{row.threads // 32:>6}{row.regs:>6}{row.spill_bytes:>9}"
-                  f"{row.smem / 1024:>10.1f}{row.blocks_per_sm:>8}  {_dot_summary(row.dots)}", flush=True)
+                  f"{row.smem / 1024:>10.1f}{row.blocks_per_sm:>8}{'/'.join(map(str, row.ptx_counts)):>20}  "
+                  f"{_dot_summary(row.dots)}", flush=True)
     spilled = [r for r in rows if r.spill_bytes > 0]
     bf16_spills = [r for r in spilled if "bf16" in r.case]
     not_wgmma = sum(1 for r in rows if "bf16" in r.case for d in r.dots if d.kind != "wgmma")
