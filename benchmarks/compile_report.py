@@ -89,6 +89,9 @@ class Compiled:
 def _signature(launch: KernelLaunch) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
     """Triton's signature, constexprs and attributes of the launch, specialised as the runtime would."""
     names = launch.kernel.arg_names
+    extra = {"num_warps": launch.num_warps} if "num_warps" in names else {}  # Gluon takes it as a constexpr
+    launch = KernelLaunch(launch.name, launch.kernel, launch.grid, launch.args, {**launch.constexprs, **extra},
+                          launch.num_warps, launch.num_stages)
     runtime = [n for n in names if n not in launch.constexprs]
     if len(runtime) != len(launch.args):
         raise ValueError(f"{launch.name}: {len(launch.args)} arguments for {len(runtime)} runtime parameters")
@@ -195,7 +198,12 @@ def compile_launch(launch: KernelLaunch, case: str) -> Compiled:
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = _signature(launch)
-    src = ASTSource(launch.kernel, signature, constexprs, attrs)
+    if getattr(launch.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src: ASTSource = GluonASTSource(launch.kernel, signature, constexprs, attrs)
+    else:
+        src = ASTSource(launch.kernel, signature, constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     ptx = compiled.asm["ptx"]

@@ -6,10 +6,11 @@ Shapes: H = 64 (V4-Flash) and 128 (V4-Pro) query heads over one shared kv head o
 ``N = T + T / 4`` kv rows (tokens, then the compressed entries; ``-1`` where fewer are visible).
 
 * Correctness (T = 2K, every (H, K)): out, lse, dq, dkv, dsinks of
-  ``cpkv_triton::sparse_attention`` in bf16, atomic and deterministic dkv, against the fp64
+  ``cpkv_triton::sparse_attention`` in bf16, atomic and deterministic dkv (and out, lse of
+  the opt-in Gluon forward, ``CPKV_TRITON_GLUON=1``), against the fp64
   reference op, bounded by the bf16 reference op's own error (the 2x rule:
   ``err <= 2 * err_reference_bf16 + 2**-8 * max|fp64|``); deterministic twice, bitwise.
-* Speed (every (H, K, T)): forward ms, backward ms with atomic and with deterministic dkv,
+* Speed (every (H, K, T)): forward ms (plain Triton and Gluon), backward ms with atomic and with deterministic dkv,
   counted TFLOP/s (cuDNN's convention: forward ``2*T*H*K*(D + d_v)``, backward
   ``2*T*H*K*(3*D + 2*d_v)``), deterministic / atomic; at T = 8K also the reference ops'
   forward + backward and the speed-up.
@@ -17,7 +18,10 @@ Shapes: H = 64 (V4-Flash) and 128 (V4-Pro) query heads over one shared kv head o
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -61,6 +65,20 @@ def _grads(fn: Callable[..., Any], x: dict[str, Any], dtype: torch.dtype) -> lis
     return [out.detach(), lse.detach()] + [leaf.grad for leaf in leaves]  # type: ignore[misc]
 
 
+@contextlib.contextmanager
+def gluon_forward() -> Iterator[None]:
+    """The ops' forward through the Gluon kernel (``CPKV_TRITON_GLUON=1``) inside the block."""
+    before = os.environ.get("CPKV_TRITON_GLUON")
+    os.environ["CPKV_TRITON_GLUON"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CPKV_TRITON_GLUON")
+        else:
+            os.environ["CPKV_TRITON_GLUON"] = before
+
+
 def _triton(deterministic: bool) -> Callable[..., Any]:
     return lambda q, kv, s, idx: sparse_attention_op(q, kv, idx, s, D**-0.5, DV, deterministic)
 
@@ -85,6 +103,14 @@ def check(device: torch.device, num_q: int = 2048) -> tuple[list[str], bool]:
                     ok &= err <= bound
                     rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} ({mode}) err vs fp64 | {err:.3e} | "
                                 f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
+            with gluon_forward():
+                gluon = _grads(_triton(False), x, torch.bfloat16)
+            for name, e, lo, g in zip(("out", "lse"), exact, low, gluon):
+                err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
+                bound = 2 * ref_err + 2**-8 * float(e.abs().max())
+                ok &= err <= bound
+                rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} (gluon forward) err vs fp64 | {err:.3e} | "
+                            f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
             again = _grads(_triton(True), x, torch.bfloat16)
             same = all(torch.equal(a, b) for a, b in zip(got[2:], again[2:]))
             ok &= same
@@ -122,7 +148,10 @@ def bench(num_q: int, heads: int, topk: int, device: torch.device, reps: int, wi
         return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
 
     t = {"fwd": _ms(fwd(_triton(False)), reps)}
-    rows = [f"{tag}| forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |"]
+    with gluon_forward():
+        t["gluon"] = _ms(fwd(_triton(False)), reps)
+    rows = [f"{tag}| forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |",
+            f"{tag}| forward (gluon) ms | {t['gluon']:.2f} | | {flops_f / t['gluon'] / 1e9:.0f} |"]
     for mode, det in (("atomic", False), ("deterministic", True)):
         t[mode] = _ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
         rows.append(f"{tag}| backward ({mode} dkv) ms | {t[mode]:.2f} | | {flops_b / t[mode] / 1e9:.0f} |")
@@ -142,5 +171,5 @@ def run(device: torch.device, reps: int, tokens: tuple[int, ...] = TOKENS) -> tu
         for topk in TOPKS:
             for num_q in tokens:
                 rows += bench(num_q, heads, topk, device, reps, with_reference=num_q <= 8192)
-                print("\n".join(rows[-5:]), flush=True)
+                print("\n".join(rows[-6:]), flush=True)
     return rows, ok

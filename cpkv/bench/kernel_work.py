@@ -29,7 +29,7 @@ from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = ["KernelWork", "kernel_work", "work_lines"]
 
-TARGETS = {"sparse_fwd": 1.1, "sparse_bwd_atomic": 1.25, "sparse_bwd_partials": 1.25}
+TARGETS = {"sparse_fwd": 1.1, "sparse_fwd_gluon": 1.1, "sparse_bwd_atomic": 1.25, "sparse_bwd_partials": 1.25}
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
         launches: e.g. ``aot_launches(case)``; read for grid, constexprs and warps.
 
     Returns:
-        One :class:`KernelWork` per known launch (``sparse_fwd``, ``sparse_bwd_atomic``,
+        One :class:`KernelWork` per known launch (``sparse_fwd_gluon``, ``sparse_fwd``, ``sparse_bwd_atomic``,
         ``sparse_bwd_partials``, ``dkv_reduce``, ``selected_probs``), in the launches' order.
 
     Raises:
@@ -91,6 +91,13 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
         if launch.name == "dkv_reduce":
             terms = blocks_of(launches) * k * d * 4.0
             out.append(KernelWork(launch.name, 0.0, 0.0, terms + 4.0 * k, 0.0, None))
+            continue
+        if launch.name == "sparse_fwd_gluon":  # explicit layouts: S split over the warpgroups, no replication
+            kp = _cdiv(k, int(c["BLOCK_K"])) * int(c["BLOCK_K"])
+            flops = blocks * 2.0 * 2.0 * int(c["BLOCK_H"]) * kp * int(c["D"])
+            moved = h * d * e + blocks * (k * d * e + 4.0 * (k + int(c["BLOCK_K"]))) + h * dv * e + 8.0 * h
+            least = h * d * e + k * d * e + 4.0 * k + h * dv * e + 8.0 * h
+            out.append(KernelWork(launch.name, flops, fwd_counted, moved, least, TARGETS[launch.name]))
             continue
         if launch.name not in ("sparse_fwd", "sparse_bwd_atomic", "sparse_bwd_partials", "selected_probs"):
             continue

@@ -44,7 +44,7 @@ def test_aot_launches_are_the_launches_the_ops_make(monkeypatch: pytest.MonkeyPa
         out, lse = ops.sparse_attention_op(q, kv, idx, torch.zeros(case.heads), 0.2, case.d_v, deterministic)
         out.sum().backward()
     ops.selected_probs_op(q.detach(), kv.detach(), idx, lse.detach(), 0.2)
-    planned = ops.aot_launches(case)
+    planned = [launch for launch in ops.aot_launches(case) if not launch.name.endswith("_gluon")]  # CUDA only
 
     def key(launch: KernelLaunch) -> tuple[str, object, tuple[str, ...]]:
         return launch.name, launch.kernel, tuple(sorted(launch.constexprs))
@@ -72,3 +72,15 @@ def test_aot_launches_take_gpu_tiles_on_meta_tensors() -> None:
 def test_aot_launches_reject_bad_cases() -> None:
     with pytest.raises(ValueError, match="d_v <= dim"):
         ops.aot_launches(AOTCase("bad", torch.float32, 4, 6, 3, 16, 24, 5, 2, 16, 4, 6))
+
+
+def test_the_gluon_forward_is_planned_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    flash = AOTCase("V4-Flash bf16", torch.bfloat16, 8, 16, 64, 512, 512, 640, 64, 128, 512, 16)
+    names = [launch.name for launch in ops.aot_launches(flash)]
+    assert names[:2] == ["sparse_fwd_gluon", "sparse_fwd"]
+    gluon = ops.aot_launches(flash)[0]
+    assert gluon.constexprs["S_N"] == 32 and gluon.constexprs["O_N"] == 256 and gluon.num_warps == 8
+    monkeypatch.setenv("CPKV_TRITON_GLUON", "1")  # opted in: still both, each once
+    assert [launch.name for launch in ops.aot_launches(flash)][:2] == ["sparse_fwd_gluon", "sparse_fwd"]
+    for case in (_case(), _case(torch.bfloat16), AOTCase("rope", torch.bfloat16, 8, 16, 64, 576, 512, 640, 64, 128, 512, 16)):
+        assert all(not launch.name.endswith("_gluon") for launch in ops.aot_launches(case))  # fp32, D != d_v

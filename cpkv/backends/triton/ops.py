@@ -37,6 +37,7 @@ Shapes legend: ``T`` query tokens, ``H`` query heads, ``D`` query/key dim, ``d_v
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +113,50 @@ def _channel_constexprs(b: _Tiles, dim: int, d_v: int, q: Tensor) -> dict[str, A
             "BLOCK_R": b.r, "PREC": _prec(q)}
 
 
+def _gluon_fits(q: Tensor, d_v: int) -> bool:
+    """Whether the Gluon forward serves q (not CPU, bf16/fp16, ``D == d_v`` a power of two in [64, 512])."""
+    dim = q.shape[2]
+    return (q.device.type != "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dim == d_v
+            and 64 <= dim <= 512 and dim & (dim - 1) == 0)
+
+
+def _gluon_enabled() -> bool:
+    """``CPKV_TRITON_GLUON=1`` opts the CUDA forward into the Gluon kernel (read at each call)."""
+    return os.environ.get("CPKV_TRITON_GLUON", "0") == "1"
+
+
+def _fwd_gluon_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
+                      scale: float) -> KernelLaunch:
+    """The Gluon forward (:mod:`cpkv.backends.triton.gluon_kernels`): 64 heads, 64 entries a step, 8 warps."""
+    from cpkv.backends.triton import gluon_kernels  # lazy, like the Triton kernels
+
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    block_h, block_k, warps = 64, 64, 8
+    return KernelLaunch(
+        "sparse_fwd_gluon", gluon_kernels.sparse_fwd_gluon_kernel, (num_q, triton_cdiv(heads, block_h)),
+        (q, kv, idx, sinks if sinks is not None else lse, out, lse,
+         kv.shape[0], heads, width,
+         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+         scale),
+        {"D": dim, "HAS_SINK": sinks is not None, "BLOCK_H": block_h, "BLOCK_K": block_k,
+         "S_N": block_k // (warps // 4), "O_N": min(256, dim // (warps // 4))}, warps, 1,
+    )
+
+
 def _fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor, scale: float,
                 d_v: int) -> KernelLaunch:
-    """The forward's one launch: grid (T, cdiv(H, BLOCK_H)), writing ``out`` and ``lse``."""
+    """The forward's one launch: grid (T, cdiv(H, BLOCK_H)), writing ``out`` and ``lse``.
+
+    The Gluon twin where it fits and ``CPKV_TRITON_GLUON=1``; else the plain-Triton kernel.
+    """
+    if _gluon_enabled() and _gluon_fits(q, d_v):
+        return _fwd_gluon_launch(q, kv, idx, sinks, out, lse, scale)
+    return _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+
+
+def _plain_fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
+                      scale: float, d_v: int) -> KernelLaunch:
+    """The plain-Triton forward (:func:`~cpkv.backends.triton.kernels.sparse_fwd_kernel`)."""
     (num_q, heads, dim), width = q.shape, idx.shape[1]
     b = _tiles("fwd", q, d_v)
     return KernelLaunch(
@@ -370,9 +412,10 @@ def _(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale: float) -> Tens
 def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     """The sparse ops' launches at ``case``'s shapes on ``meta`` tensors (GPU tiles), for the sm_90a compile report.
 
-    Built by the same functions the ops call: the forward, the atomic backward, the
-    deterministic backward's partials and key-major reduce (one chunk of query rows), and the
-    KL target's head-summed probabilities. Nothing runs; no device is needed.
+    Built by the same functions the ops call: the Gluon forward (where it fits: opt-in with
+    ``CPKV_TRITON_GLUON=1``), the forward, the atomic backward, the deterministic backward's
+    partials and key-major reduce (one chunk of query rows), and the KL target's head-summed
+    probabilities. Nothing runs; no device is needed.
 
     Raises:
         ValueError: ``case.d_v`` above ``case.dim``, or a non-positive size.
@@ -395,8 +438,11 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     pairs = torch.empty((chunk * width,), dtype=torch.int32, device=meta)
     row_ptr = torch.empty((rows + 1,), dtype=torch.int32, device=meta)
     parts = torch.empty((triton_cdiv(heads, _tiles("probs", q, 1).h), num_q, width), dtype=f32, device=meta)
-    return [
-        _fwd_launch(q, kv, idx, torch.empty((heads,), dtype=f32, device=meta), out, lse, scale, d_v),
+    sinks = torch.empty((heads,), dtype=f32, device=meta)
+    fwd = _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+    gluon = _fwd_gluon_launch(q, kv, idx, sinks, out, lse, scale) if _gluon_fits(q, d_v) else None
+    triton_fwd = fwd if fwd.name == "sparse_fwd" else _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+    return [*([gluon] if gluon is not None else []), triton_fwd,
         _bwd_launch(out, q, kv, idx, lse, lse, dq, dkv, scale, d_v, True),
         _bwd_launch(out[:chunk], q[:chunk], kv, idx[:chunk], lse[:chunk], lse[:chunk], dq[:chunk], partials,
                     scale, d_v, False),
