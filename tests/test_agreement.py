@@ -34,6 +34,8 @@ from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 
 CU = torch.tensor([0, 5, 12, 16, 24])
+ZIGZAG_CU = torch.tensor([0, 12, 24])  # document lengths in multiples of 2*cp (cp 2, 3)
+RUNS = [f"{layout}/{exchange}" for layout in ("contiguous", "zigzag", "balanced") for exchange in ("need", "allgather")]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,11 +85,13 @@ def _plan_cases(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
     ]
 
 
-def _layer_cases(rank: int, world: int, exchange: str) -> list[tuple[str, Callable[[], Any]]]:
+def _layer_cases(rank: int, world: int, run: str) -> list[tuple[str, Callable[[], Any]]]:
     """Compressor/indexer failures in a layer call (every rank, or the ranks that own entries)."""
+    layout, exchange = run.split("/")
     layer = V4Attention(V4Config(compress_ratio=4, window=4, topk=4), seed=1)
-    plan = plan_attention(CU, world, rank, exchange=exchange, compress_ratios=[4], windows=[4])
-    x = shard_contiguous(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)), world, rank)
+    plan = plan_attention(ZIGZAG_CU if layout == "zigzag" else CU, world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+                          compress_ratios=[4], windows=[4])
+    x = plan.shard(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)))
     q, kv = layer.project(x, plan.q_positions)
     spec = layer.config.spec
     compressor, indexer = layer.compressor, layer.indexer
@@ -130,8 +134,8 @@ def _outcomes(cases: list[tuple[str, Callable[[], Any]]]) -> list[tuple[str, str
 
 def _run(rank: int, world: int) -> dict[str, list[tuple[str, str]]]:
     result = {"plan": _outcomes(_plan_cases(rank, world))}
-    for exchange in ("need", "allgather"):
-        result[exchange] = _outcomes(_layer_cases(rank, world, exchange))
+    for run in RUNS:
+        result[run] = _outcomes(_layer_cases(rank, world, run))
     plan = plan_attention(CU, world, rank, exchange="need", compress_ratios=[4], windows=[4], group=dist.group.WORLD)
     layer = V4Attention(V4Config(compress_ratio=4, window=4, topk=4), seed=1)
     x = shard_contiguous(torch.randn(24, 64), world, rank)
@@ -172,10 +176,10 @@ def test_plan_fails_on_every_rank_when_one_rank_is_invalid(per_rank: Results) ->
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("exchange", ["need", "allgather"])
-def test_module_failures_raise_on_every_rank(per_rank: Results, exchange: str) -> None:
+@pytest.mark.parametrize("run", RUNS)
+def test_module_failures_raise_on_every_rank(per_rank: Results, run: str) -> None:
     world, results = per_rank
-    outcomes = [r[exchange] for r in results]
+    outcomes = [r[run] for r in results]
     _assert_agreed(outcomes, None, world)
     boom = [name for name, _ in outcomes[0]].index("boom in the user's compressor")
     _assert_agreed([o[boom:boom + 1] for o in outcomes], world - 1, world)

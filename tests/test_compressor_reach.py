@@ -2,7 +2,7 @@
 
 An overlapping compressor (each entry also reads the previous block of its document) at
 ratios other than 4 must give the same layer under ``exchange="need"`` as under
-``"allgather"`` and as the single-process oracle, once the plan covers its reach
+``"allgather"`` (in every layout) and as the single-process oracle, once the plan covers its reach
 (``prev_blocks={ratio: 1}``); a plan that does not cover it raises on every rank before any
 collective instead of computing a wrong entry. The documents straddle ranks so that a
 block's previous block lives on an earlier rank.
@@ -18,11 +18,21 @@ import torch
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
-from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import Compressor, V4Attention, V4Config, reference_forward
 
 LENGTHS = [3, 29, 2, 11, 21]  # 66 tokens (cp 2 and 3)
+ZIGZAG_LENGTHS = [12, 36, 24]  # 72 tokens: multiples of 2*cp at cp 2 and 3
 RATIOS = [2, 3, 8]
+RUNS = [(layout, exchange) for layout in ("contiguous", "zigzag", "balanced") for exchange in ("allgather", "need")]
+
+
+def _cu(layout: str) -> torch.Tensor:
+    return seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
+
+
+def _plan(layout: str, exchange: str, world: int, rank: int, ratio: int, **options: Any) -> Any:
+    return plan_attention(_cu(layout), world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+                          compress_ratios=[ratio], windows=[6], **options)
 
 
 def _layer(ratio: int) -> V4Attention:
@@ -33,27 +43,28 @@ def _layer(ratio: int) -> V4Attention:
     return layer
 
 
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(layout: str = "contiguous") -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(9)
-    return torch.randn(66, 64, generator=gen, dtype=torch.float64), torch.randn(66, 64, generator=gen, dtype=torch.float64)
+    n = int(_cu(layout)[-1])
+    return torch.randn(n, 64, generator=gen, dtype=torch.float64), torch.randn(n, 64, generator=gen, dtype=torch.float64)
 
 
 def reach_cases(rank: int, world: int) -> dict[str, Any]:
-    cu = seqlens_to_cu_seqlens(LENGTHS)
-    x_all, g_all = _inputs()
     results: dict[str, Any] = {}
     for ratio in RATIOS:
         layer = _layer(ratio)
-        for exchange in ("allgather", "need"):
-            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[ratio], windows=[6], prev_blocks={ratio: 1})
-            x = shard_contiguous(x_all, world, rank).clone().requires_grad_(True)
+        for layout, exchange in RUNS:
+            x_all, g_all = _inputs(layout)
+            plan = _plan(layout, exchange, world, rank, ratio, prev_blocks={ratio: 1})
+            x = plan.shard(x_all).clone().requires_grad_(True)
             layer.zero_grad(set_to_none=True)
             out = layer(x, plan, None).out
-            out.backward(shard_contiguous(g_all, world, rank))
+            out.backward(plan.shard(g_all))
             assert x.grad is not None
-            results[f"{ratio}/{exchange}"] = (out.detach(), x.grad)
+            results[f"{ratio}/{layout}/{exchange}"] = (out.detach(), x.grad)
         try:
-            layer(shard_contiguous(x_all, world, rank), plan_attention(cu, world, rank, exchange="need", compress_ratios=[ratio], windows=[6]), None)
+            plan = _plan("contiguous", "need", world, rank, ratio)
+            layer(plan.shard(_inputs()[0]), plan, None)
             results[f"{ratio}/unplanned"] = "no error"
         except ValueError as err:
             results[f"{ratio}/unplanned"] = str(err)
@@ -62,17 +73,17 @@ def reach_cases(rank: int, world: int) -> dict[str, Any]:
 
 def mode_cases(rank: int, world: int) -> dict[str, Any]:
     """A layer's declared mode at any ratio: INDEXER at ratio 8, COMPRESSOR_ONLY at ratio 4."""
-    cu = seqlens_to_cu_seqlens(LENGTHS)
-    x_all, g_all = _inputs()
     results: dict[str, Any] = {}
     for name, config in MODE_CASES.items():
         layer = V4Attention(config, seed=2).double()
-        for exchange in ("allgather", "need"):
-            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[config.compress_ratio], windows=[6])
-            x = shard_contiguous(x_all, world, rank).clone().requires_grad_(True)
+        for layout, exchange in RUNS:
+            x_all, g_all = _inputs(layout)
+            plan = _plan(layout, exchange, world, rank, config.compress_ratio)
+            x = plan.shard(x_all).clone().requires_grad_(True)
+            layer.zero_grad(set_to_none=True)
             out = layer(x, plan, None).out
-            out.backward(shard_contiguous(g_all, world, rank))
-            results[f"{name}/{exchange}"] = (out.detach(), x.grad)
+            out.backward(plan.shard(g_all))
+            results[f"{name}/{layout}/{exchange}"] = (out.detach(), x.grad)
     return results
 
 
@@ -85,35 +96,35 @@ MODE_CASES = {
 @pytest.mark.timeout(200)
 def test_declared_mode_at_any_ratio() -> None:
     per_rank = spawn(mode_cases, 2, timeout=180.0)
-    cu = seqlens_to_cu_seqlens(LENGTHS)
-    x_all, g_all = _inputs()
     for name, config in MODE_CASES.items():
-        layer = V4Attention(config, seed=2).double()
-        assert (layer.indexer is not None) == (name == "indexer8")
-        x = x_all.clone().requires_grad_(True)
-        out = reference_forward(layer, x, cu).out
-        out.backward(g_all)
-        assert x.grad is not None
-        for exchange in ("allgather", "need"):
-            torch.testing.assert_close(torch.cat([r[f"{name}/{exchange}"][0] for r in per_rank]), out.detach(), rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(torch.cat([r[f"{name}/{exchange}"][1] for r in per_rank]), x.grad, rtol=1e-10, atol=1e-12)
+        for layout, exchange in RUNS:
+            layer = V4Attention(config, seed=2).double()
+            assert (layer.indexer is not None) == (name == "indexer8")
+            x_all, g_all = _inputs(layout)
+            x = x_all.clone().requires_grad_(True)
+            out = reference_forward(layer, x, _cu(layout)).out
+            out.backward(g_all)
+            assert x.grad is not None
+            plan, key = _plan(layout, exchange, 2, 0, config.compress_ratio), f"{name}/{layout}/{exchange}"
+            torch.testing.assert_close(plan.unshard([r[key][0] for r in per_rank]), out.detach(), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(plan.unshard([r[key][1] for r in per_rank]), x.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 3])
 def test_overlapping_compressor_at_any_ratio_under_both_exchanges(world: int) -> None:
     per_rank = spawn(reach_cases, world, timeout=180.0)
-    cu = seqlens_to_cu_seqlens(LENGTHS)
-    x_all, g_all = _inputs()
     for ratio in RATIOS:
-        layer = _layer(ratio)
-        x = x_all.clone().requires_grad_(True)
-        out = reference_forward(layer, x, cu).out
-        out.backward(g_all)
-        assert x.grad is not None
-        for exchange in ("allgather", "need"):
-            got_out = torch.cat([r[f"{ratio}/{exchange}"][0] for r in per_rank])
-            got_grad = torch.cat([r[f"{ratio}/{exchange}"][1] for r in per_rank])
+        for layout, exchange in RUNS:
+            layer = _layer(ratio)
+            x_all, g_all = _inputs(layout)
+            x = x_all.clone().requires_grad_(True)
+            out = reference_forward(layer, x, _cu(layout)).out
+            out.backward(g_all)
+            assert x.grad is not None
+            plan, key = _plan(layout, exchange, world, 0, ratio), f"{ratio}/{layout}/{exchange}"
+            got_out = plan.unshard([r[key][0] for r in per_rank])
+            got_grad = plan.unshard([r[key][1] for r in per_rank])
             # fp64 on both sides: only the order of sums differs.
             torch.testing.assert_close(got_out, out.detach(), rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(got_grad, x.grad, rtol=1e-10, atol=1e-12)

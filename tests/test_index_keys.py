@@ -19,10 +19,16 @@ from cpkv.commstats import count_bytes
 from cpkv.index_keys import round_index_keys
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
-from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config, reference_forward
 
 LENGTHS = [9, 40, 3, 20]  # 72 tokens
+ZIGZAG_LENGTHS = [12, 36, 24]  # 72 tokens in multiples of 2*cp (cp 2, 3)
+RUNS = [(layout, exchange) for layout in ("contiguous", "zigzag", "balanced") for exchange in ("allgather", "need")]
+
+
+def _plan(layout: str, exchange: str, world: int, rank: int) -> Any:
+    cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
+    return plan_attention(cu, world, rank, layout=layout, exchange=exchange, compress_ratios=[4], windows=[8])  # type: ignore[arg-type]
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -51,21 +57,20 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def key_dtype_cases(rank: int, world: int) -> dict[str, Any]:
-    cu = seqlens_to_cu_seqlens(LENGTHS)
     x_all, g_all = _inputs()
     results: dict[str, Any] = {}
     for name, dtype in DTYPES.items():
         layer = _layer(dtype)
-        for exchange in ("allgather", "need"):
-            plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=[4], windows=[8])
-            x = shard_contiguous(x_all, world, rank).clone().requires_grad_(True)
+        for layout, exchange in RUNS:
+            plan = _plan(layout, exchange, world, rank)
+            x = plan.shard(x_all).clone().requires_grad_(True)
             layer.zero_grad(set_to_none=True)
             with count_bytes() as counter:
                 out = layer(x, plan, None, backend="reference").out
-                out.backward(shard_contiguous(g_all, world, rank))
+                out.backward(plan.shard(g_all))
             grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
             key_rows = plan.compressed[4].entries.num_recv if exchange == "need" else 0
-            results[f"{name}/{exchange}"] = {
+            results[f"{name}/{layout}/{exchange}"] = {
                 "out": out.detach(), "grad_x": x.grad, "params": grads,
                 "key_bytes": counter.by_op.get("exchange_index_keys", 0), "key_rows": key_rows,
             }
@@ -76,26 +81,27 @@ def key_dtype_cases(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_key_dtypes_are_exact_under_cp_and_travel_in_their_format(world: int) -> None:
     per_rank = spawn(key_dtype_cases, world, timeout=180.0)
-    cu = seqlens_to_cu_seqlens(LENGTHS)
     x_all, g_all = _inputs()
     for name, dtype in DTYPES.items():
-        layer = _layer(dtype)
-        x = x_all.clone().requires_grad_(True)
-        out = reference_forward(layer, x, cu).out
-        out.backward(g_all)
-        assert x.grad is not None
-        expected_params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
-        for exchange in ("allgather", "need"):
-            runs = [r[f"{name}/{exchange}"] for r in per_rank]
-            got = torch.cat([r["out"] for r in runs]).detach()
-            assert float((got - out.detach()).abs().max() / out.detach().abs().max()) <= 1e-5, (name, exchange)
-            got_grad = torch.cat([r["grad_x"] for r in runs])
-            assert float((got_grad - x.grad).abs().max() / x.grad.abs().max()) <= 1e-5, (name, exchange)
-            for param, grad in expected_params.items():
-                summed = torch.stack([r["params"][param] for r in runs]).sum(0)
-                assert float((summed - grad).abs().max() / grad.abs().max().clamp(min=1e-12)) <= 1e-5, (name, exchange, param)
-            row_bytes = 16 * 2 if name == "bf16" else 16 + 4  # index_head_dim 16
-            for r in runs:
-                assert r["key_bytes"] == r["key_rows"] * row_bytes, (name, exchange, r["key_bytes"], r["key_rows"])
-            if exchange == "need":
-                assert any(r["key_rows"] for r in runs), "some rank receives keys"
+        for layout in ("contiguous", "zigzag", "balanced"):
+            layer = _layer(dtype)
+            x = x_all.clone().requires_grad_(True)
+            out = reference_forward(layer, x, seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)).out
+            out.backward(g_all)
+            assert x.grad is not None
+            expected_params = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+            for exchange in ("allgather", "need"):
+                plan = _plan(layout, exchange, world, 0)
+                runs = [r[f"{name}/{layout}/{exchange}"] for r in per_rank]
+                got = plan.unshard([r["out"] for r in runs]).detach()
+                assert float((got - out.detach()).abs().max() / out.detach().abs().max()) <= 1e-5, (name, layout, exchange)
+                got_grad = plan.unshard([r["grad_x"] for r in runs])
+                assert float((got_grad - x.grad).abs().max() / x.grad.abs().max()) <= 1e-5, (name, exchange)
+                for param, grad in expected_params.items():
+                    summed = torch.stack([r["params"][param] for r in runs]).sum(0)
+                    assert float((summed - grad).abs().max() / grad.abs().max().clamp(min=1e-12)) <= 1e-5, (name, exchange, param)
+                row_bytes = 16 * 2 if name == "bf16" else 16 + 4  # index_head_dim 16
+                for r in runs:
+                    assert r["key_bytes"] == r["key_rows"] * row_bytes, (name, exchange, r["key_bytes"], r["key_rows"])
+                if exchange == "need":
+                    assert any(r["key_rows"] for r in runs), "some rank receives keys"

@@ -53,6 +53,8 @@ CASES = {
     "indexer": V4Config(compress_ratio=4, topk=4),
 }
 EXCHANGES = ["allgather", "need"]  # the need-based exchange hands the kernels a kv buffer without unseen prefix rows
+LAYOUTS = ["contiguous", "zigzag", "balanced"]
+ZIGZAG_LENGTHS = [8, 0, 44, 4, 8, 60, 20]  # 144 tokens in multiples of 2*cp (cp 1, 2)
 EXPECTED_OPS = {
     "window": {"npu_fusion_attention"},
     "dense": {"npu_fusion_attention"},
@@ -215,32 +217,33 @@ class StandInTorchNPU:
 # --------------------------------------------------------------------------- the whole layer
 
 
-def _run_case(rank: int, world: int, name: str, kind: str, exchange: str) -> dict[str, Any]:
+def _run_case(rank: int, world: int, name: str, kind: str, layout: str, exchange: str) -> dict[str, Any]:
     config = CASES[name]
-    cu = seqlens_to_cu_seqlens(LENGTHS)
+    cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64)
     layer = V4Attention(config, seed=7).double()
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, exchange=exchange, compress_ratios=ratios, windows=[config.window])  # type: ignore[arg-type]
+    plan = plan_attention(cu, world, rank, layout=layout, exchange=exchange, compress_ratios=ratios,  # type: ignore[arg-type]
+                          windows=[config.window])
     stand_in = StandInTorchNPU()
     backend = NPUBackend(torch_npu_module=stand_in, check_dtypes=False) if kind == "npu" else ReferenceBackend()
-    x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+    x_local = plan.shard(x).clone().requires_grad_(True)
     result = layer(x_local, plan, None, backend=backend, grad_scale=2.0)
-    result.out.backward(shard_contiguous(grad_out, world, rank))
+    result.out.backward(plan.shard(grad_out))
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     return {"out": result.out.detach(), "grad_x": x_local.grad, "grads": grads, "loss": result.indexer_loss, "calls": set(stand_in.calls)}
 
 
-def _layer_worker(rank: int, world: int) -> dict[tuple[str, str, str], dict[str, Any]]:
-    return {(name, kind, exchange): _run_case(rank, world, name, kind, exchange)
-            for name in CASES for kind in ("reference", "npu") for exchange in EXCHANGES}
+def _layer_worker(rank: int, world: int) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    return {(name, kind, layout, exchange): _run_case(rank, world, name, kind, layout, exchange)
+            for name in CASES for kind in ("reference", "npu") for layout in LAYOUTS for exchange in EXCHANGES}
 
 
 @pytest.fixture(scope="module")
-def layer_runs() -> dict[int, list[dict[tuple[str, str, str], dict[str, Any]]]]:
-    return {world: spawn(_layer_worker, world, timeout=60.0) for world in (1, 2)}
+def layer_runs() -> dict[int, list[dict[tuple[str, str, str, str], dict[str, Any]]]]:
+    return {world: spawn(_layer_worker, world, timeout=120.0) for world in (1, 2)}
 
 
 def assert_close(actual: Tensor | None, expected: Tensor | None, what: str) -> None:
@@ -250,14 +253,15 @@ def assert_close(actual: Tensor | None, expected: Tensor | None, what: str) -> N
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_layer_through_npu_backend_equals_reference(layer_runs: Any, name: str, world: int, exchange: str) -> None:
+def test_layer_through_npu_backend_equals_reference(layer_runs: Any, name: str, world: int, layout: str, exchange: str) -> None:
     """fp64 both sides, but the kernels take fp32 sinks (schema), so sinks round to fp32 (~6e-8
     relative); everything else agrees to summation order (~1e-15). 1e-6 relative covers the
     former and is ~1e5 times below what a marshalling error produces."""
     for rank, per_rank in enumerate(layer_runs[world]):
-        ref, npu = per_rank[(name, "reference", exchange)], per_rank[(name, "npu", exchange)]
+        ref, npu = per_rank[(name, "reference", layout, exchange)], per_rank[(name, "npu", layout, exchange)]
         assert npu["calls"] == EXPECTED_OPS[name], f"{name} rank {rank}: kernels called {npu['calls']}"
         assert_close(npu["out"], ref["out"], f"{name} rank {rank} out")
         assert_close(npu["grad_x"], ref["grad_x"], f"{name} rank {rank} grad x")

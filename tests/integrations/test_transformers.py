@@ -3,8 +3,8 @@
 Oracle: the ``transformers`` module itself (eager path, batch 1, positions from 0, an explicit
 sliding-window causal mask), once per document; zero-length documents contribute nothing.
 The CP side runs :func:`cpkv.integrations.transformers.deepseek_v4_attention_forward` on gloo
-ranks, every layer type (sliding, CSA with its indexer, HCA), contiguous all-gather and need
-exchange and per-document zigzag, at cp 1-4 (one spawn of 4 ranks runs every case at every
+ranks, every layer type (sliding, CSA with its indexer, HCA), every layout (contiguous,
+per-document zigzag, balanced) under both exchanges, at cp 1-4 (one spawn of 4 ranks runs every case at every
 cp size on the groups of ranks 0..cp-1: the ranks' imports of transformers dominate the cost). Compared:
 outputs and input gradients in natural order, and every parameter gradient summed over
 ranks (what CP gradient reduction does), all in float64 with a tiny random config.
@@ -33,7 +33,6 @@ pytest.importorskip("transformers.models.deepseek_v4", reason="transformers>=5.2
 
 from cpkv.launch import spawn  # noqa: E402
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens  # noqa: E402
-from cpkv.plan.sharding import shard_contiguous, shard_zigzag_tnd, unshard_zigzag_tnd  # noqa: E402
 from tests.integrations import hf_oracle  # noqa: E402
 
 HIDDEN, WINDOW = 64, 8
@@ -44,7 +43,7 @@ LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compresse
 # and 1 tokens are shorter than a block; the 14-token one holds no ratio-16 block.
 LENGTHS = [5, 0, 52, 3, 2, 19, 0, 1, 14]
 ZIGZAG_LENGTHS = [48, 0, 24, 24]  # multiples of 2*cp for cp 1-4
-RUNS = [("contiguous", "allgather"), ("contiguous", "need"), ("zigzag", "allgather")]
+RUNS = [(layout, exchange) for layout in ("contiguous", "zigzag", "balanced") for exchange in ("allgather", "need")]
 REL_LIFTED, REL_SHIPPED = 1e-10, 1e-5
 
 
@@ -99,17 +98,13 @@ def _cp_case(
     from cpkv.integrations.transformers import deepseek_v4_attention_forward, deepseek_v4_plan_options
 
     layer = _layer(index, ties=ties)
-    lengths = LENGTHS if layout == "contiguous" else ZIGZAG_LENGTHS
+    lengths = ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS
     cu = seqlens_to_cu_seqlens(lengths)
     x, grad_out = _inputs(int(cu[-1]))
     plan = plan_attention(cu, world, rank, layout=layout, exchange=exchange, **deepseek_v4_plan_options(layer.config))
-
-    def shard(t: torch.Tensor) -> torch.Tensor:
-        return shard_contiguous(t, world, rank) if layout == "contiguous" else shard_zigzag_tnd(t, cu, world, rank)
-
-    x_local = shard(x).clone().requires_grad_(True)
+    x_local = plan.shard(x).clone().requires_grad_(True)
     out = deepseek_v4_attention_forward(layer, x_local, plan, group, backend="reference", indexer_loss=indexer_loss)
-    out.backward(shard(grad_out))  # type: ignore[no-untyped-call]
+    out.backward(plan.shard(grad_out))  # type: ignore[no-untyped-call]
     return {"out": out.detach(), "grad_x": x_local.grad, "params": _grads(layer)}
 
 
@@ -135,9 +130,11 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
 
 
 def _combine(layout: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
+    plan = plan_attention(cu, len(per_rank), 0, layout=layout)  # type: ignore[arg-type]
+
     def cat(name: str) -> torch.Tensor:
-        parts = [r[name] for r in per_rank]
-        return torch.cat(parts) if layout == "contiguous" else unshard_zigzag_tnd(parts, seqlens_to_cu_seqlens(ZIGZAG_LENGTHS))
+        return plan.unshard([r[name] for r in per_rank])
 
     params: dict[str, torch.Tensor | None] = {}
     for name in per_rank[0]["params"]:
@@ -190,7 +187,7 @@ def _hf_run(index: int, lengths: list[int], *, ties: bool = False, lifted: bool 
 
 @functools.cache
 def _hf(index: int, layout: str, *, ties: bool = False, lifted: bool = True) -> dict[str, Any]:
-    lengths = LENGTHS if layout == "contiguous" else ZIGZAG_LENGTHS
+    lengths = ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS
     result = _hf_run(index, lengths, ties=ties, lifted=lifted)
     keep = torch.tensor([n > 0 for n in lengths for _ in range(n)])  # zero-length documents hold no rows anyway
     assert int(keep.sum()) == result["out"].shape[0]

@@ -13,7 +13,9 @@ biases and hash table. Cases:
 
 * ``contiguous/allgather``: ``cu_seqlens`` with an empty document; ``contiguous/need``:
   Hugging Face's restart-at-0 ``position_ids`` (``DataCollatorWithFlattening``);
-  ``zigzag/allgather``: per-document zigzag over documents of multiples of 24 tokens.
+  ``zigzag/allgather`` and ``zigzag/need``: per-document zigzag over documents of multiples of
+  24 tokens; ``balanced/allgather`` and ``balanced/need`` (position_ids): the balanced layout
+  (shards of unequal length).
   Labels hold ``ignore_index`` tokens. Gradients are all-reduced (SUM) over the CP group.
 * ``ddp``: ``grad_reduction="mean"`` under a real ``DistributedDataParallel`` without
   ``find_unused_parameters`` (two iterations: its reducer raises in the second forward when
@@ -235,7 +237,7 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
         if rank >= cp:
             continue
         # Built outside hf_oracle.lifted(): HF's init draws (and its inv_freq) depend on the dtype.
-        models = [enable_deepseek_v4_cp(_model()) for _ in range(5)]
+        models = [enable_deepseek_v4_cp(_model()) for _ in range(8)]
         plain = _model() if cp == 1 else None
         compiled = enable_deepseek_v4_cp(_model()) if cp == 2 else None
         for layer in compiled.model.layers if compiled is not None else []:
@@ -245,6 +247,10 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
                 "contiguous/allgather": _sum_case(models[0], group, batches["main"]),
                 "contiguous/need": _sum_case(models[1], group, batches["main"], exchange="need", source="position_ids"),
                 "zigzag/allgather": _sum_case(models[2], group, batches["zigzag"], layout="zigzag"),
+                "zigzag/need": _sum_case(models[5], group, batches["zigzag"], layout="zigzag", exchange="need"),
+                "balanced/allgather": _sum_case(models[6], group, batches["main"], layout="balanced"),
+                "balanced/need": _sum_case(models[7], group, batches["main"], layout="balanced", exchange="need",
+                                           source="position_ids"),
                 "ddp": _ddp_case(models[3], group, batches["main"]),
                 "checkpoint": _checkpoint_case(models[4], group, batches["main"], batches["other"]),
             }
@@ -308,7 +314,8 @@ def _indexer(names: Any) -> set[str]:
     return {n for n in names if ".indexer." in n}
 
 
-RUNS = {"contiguous/allgather": "main", "contiguous/need": "main", "zigzag/allgather": "zigzag"}
+RUNS = {"contiguous/allgather": "main", "contiguous/need": "main", "zigzag/allgather": "zigzag", "zigzag/need": "zigzag",
+        "balanced/allgather": "main", "balanced/need": "main"}
 
 
 @pytest.mark.timeout(400)
