@@ -26,7 +26,6 @@ from cpkv.commstats import count_bytes
 from cpkv.launch import spawn
 from cpkv.plan.attention import plan_attention
 from cpkv.plan.conventions import seqlens_to_cu_seqlens
-from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config, reference_forward
 
 MODES: dict[str, V4Config] = {
@@ -74,13 +73,13 @@ def _cp(config: V4Config, x: torch.Tensor, g: torch.Tensor, cu: torch.Tensor, ar
     """This rank's shard of the same under CP; parameter gradients summed over ranks."""
     layer = V4Attention(config, seed=args.seed).to(x.device, x.dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, exchange=args.exchange, ring_degree=args.ring_degree,
+    plan = plan_attention(cu, world, rank, layout=args.layout, exchange=args.exchange, ring_degree=args.ring_degree,
                           compress_ratios=ratios, windows=[config.window])
-    x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+    x_local = plan.shard(x).clone().requires_grad_(True)
     with count_bytes() as counter:
         start = time.perf_counter()
         out = layer(x_local, plan, None).out
-        torch.autograd.backward(out, shard_contiguous(g, world, rank))
+        torch.autograd.backward(out, plan.shard(g))
         elapsed = time.perf_counter() - start
     grads = _grads(layer)
     for grad in grads.values():
@@ -97,7 +96,7 @@ def _errors(config: V4Config, args: argparse.Namespace, rank: int, world: int, d
     dtype = DTYPES[args.dtype]
     exact = _single_process(config, x64.to(torch.float64 if args.dtype == "bf16" else dtype), g64.to(x64.dtype if args.dtype == "bf16" else dtype), cu, args.seed)
     local, elapsed, nbytes = _cp(config, x64.to(dtype), g64.to(dtype), cu, args, rank, world)
-    rows = shard_contiguous(torch.arange(args.tokens, device=device), world, rank)
+    rows = plan_attention(cu, world, rank, layout=args.layout).shard(torch.arange(args.tokens, device=device))
     sharded = {k: (v[rows] if k in ("out", "grad_x") else v) for k, v in exact.items()}
     summary = {"cp_out": _rel(local["out"], sharded["out"]),
                "cp_grads": max(_rel(local[k], sharded[k]) for k in sharded if k != "out")}
@@ -116,7 +115,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, device_name: str
     for i, name in enumerate(names):
         if rank == 0:
             print(f"[{i + 1}/{len(names)}] {name}: cp={world} tokens={args.tokens} dtype={args.dtype}"
-                  f" exchange={args.exchange} ring_degree={args.ring_degree} ...", flush=True)
+                  f" layout={args.layout} exchange={args.exchange} ring_degree={args.ring_degree} ...", flush=True)
         summary = _errors(MODES[name], args, rank, world, device)
         values = torch.tensor(list(summary.values()), dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -165,7 +164,7 @@ def _non_negative(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=_positive, default=4, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--tokens", type=_positive, default=1536, help="packed tokens of the micro-batch (divisible by cp)")
+    parser.add_argument("--tokens", type=_positive, default=1536, help="packed tokens of the micro-batch (divisible by cp for --layout contiguous)")
     parser.add_argument("--mode", choices=["all", *MODES], default="all")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--seed", type=_non_negative, default=0)
@@ -175,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of the need-based kv exchange, merged exactly by LSE (plan_attention(ring_degree=...))")
     parser.add_argument("--exchange", choices=["allgather", "need"], default="need",
                         help="move every rank's tokens (allgather) or only what each rank needs (need)")
+    parser.add_argument("--layout", choices=["contiguous", "balanced"], default="contiguous",
+                        help="packed tokens cut evenly (contiguous) or by a V4 layer stack's modeled cost (balanced)")
     parser.add_argument("--backend", default=None, help="torch.distributed backend under torchrun (default gloo)")
     args = parser.parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
-    if args.tokens % world != 0:
+    if args.tokens % world != 0 and args.layout == "contiguous":
         parser.error(f"--tokens ({args.tokens}) must be divisible by the number of ranks ({world})")
     if args.ring_degree > 1 and args.exchange != "need":
         parser.error(f"--ring-degree {args.ring_degree}: values > 1 need --exchange need")
