@@ -38,8 +38,8 @@ from cpkv.exchange import exchange_rows
 from cpkv.index_keys import check_index_key_dtype, exchange_index_keys, round_index_keys
 from cpkv.indexer_loss import attach_indexer_loss
 from cpkv.merge import merge_partials
-from cpkv.plan.attention import AttentionPlan, KVSource
-from cpkv.plan.routes import CompressedRoutes
+from cpkv.plan.attention import AttentionPlan
+from cpkv.plan.routes import CompressedRoutes, KVSource
 from cpkv.plan.segments import CompressedPlan
 
 
@@ -185,13 +185,22 @@ def _prefix_rows(gathered: Tensor, plan: AttentionPlan) -> Tensor:
     return gathered.narrow(0, plan.prefix.kv_start, plan.prefix.kv_len)
 
 
+def _gathered(x: Tensor, plan: AttentionPlan, group: Group, order: BackwardOrder) -> Tensor:
+    """The rank's prefix buffer of ``x`` ``[local_len, ...]`` from an all-gather (shorter shards padded)."""
+    if x.shape[0] < plan.gather_len:
+        x = torch.cat([x, x.new_zeros((plan.gather_len - x.shape[0], *x.shape[1:]))])
+    return _prefix_rows(gather_from_sp_cp(x, group, tnd=True, order=order), plan)
+
+
 def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, order: BackwardOrder) -> list[Tensor]:
     """The rank's kv buffer as parts to concatenate once (no copy when it is one part)."""
     if plan.exchange == "allgather":
-        return [_prefix_rows(gather_from_sp_cp(kv, group, tnd=True, order=order), plan)]
+        return [_gathered(kv, plan, group, order)]
     if source.halo is None:
         return [kv]
     halo = exchange_rows(kv, source.halo, group, order=order)
+    if source.rows is not None:  # ranges read rows in another order than [received ; own]
+        return [torch.cat([halo, kv]).index_select(0, source.rows)]
     return [halo, kv] if source.halo.num_recv else [kv]
 
 
@@ -206,7 +215,11 @@ def _compress_own(
     """``fn`` over the rank's straddling blocks (small buffer with the halo) and its other blocks (own rows, no copy)."""
     parts = []
     if routes.straddle.num_entries:
-        straddled = fn(torch.cat([halo, hidden[: routes.straddle_rows]]), routes.straddle)
+        read = hidden[: routes.straddle_rows] if routes.straddle_own is None else hidden.index_select(0, routes.straddle_own)
+        buffer = torch.cat([halo, read])
+        if routes.straddle_order is not None:
+            buffer = buffer.index_select(0, routes.straddle_order)
+        straddled = fn(buffer, routes.straddle)
         parts.append(_checked_rows(name, straddled, routes.straddle.num_entries, width))
     if routes.own.num_entries:
         own = fn(hidden, routes.own)
@@ -291,7 +304,7 @@ def _entries(
     """
     halo = None
     if plan.exchange == "allgather":
-        inputs = _prefix_rows(gather_from_sp_cp(hidden, group, tnd=True, order=order), plan)
+        inputs = _gathered(hidden, plan, group, order)
     else:
         inputs, halo = hidden, exchange_rows(hidden, plan.compressed[spec.compress_ratio].hidden, group, order=order)
     features = index_features if index_features is not None else hidden
@@ -312,9 +325,13 @@ def _entries(
         owned = _concat(parts) if parts else kv.new_zeros((0, kv.shape[-1]))
         received = exchange_rows(owned, routes.entries, group, order=order)
         parts = [t for t in (received, owned) if t.shape[0]]
+        if routes.entry_rows is not None and parts:  # documents' entries in another order than [received ; owned]
+            parts = [_concat(parts).index_select(0, routes.entry_rows)]
         if keys is not None:
             got = exchange_index_keys(keys, routes.entries, group, spec.index_key_dtype, order=order)
             keys = torch.cat([got, round_index_keys(keys, spec.index_key_dtype)])
+            if routes.entry_rows is not None:
+                keys = keys.index_select(0, routes.entry_rows)
     elif keys is not None:
         keys = round_index_keys(keys, spec.index_key_dtype)
     if not parts or keys is None or computed.queries is None:
@@ -496,7 +513,7 @@ def attention_forward(
     else:
         window = spec.window if spec.window is not None else 1  # spec.validate: compressed layers have a window
         kv_all = torch.cat([*kv_parts, *entry_parts])  # the one copy of the rank's kv in this layer
-        visible = plan.segments.visible_for(spec.compress_ratio)
+        visible = plan.visible_for(spec.compress_ratio)
         if index is None:
             cmp_rows = visible.visible_indices(offset=num_kv)
         else:
@@ -504,7 +521,7 @@ def attention_forward(
                 picked = ops.indexer_topk(index.q_index, index.k_index, index.weights, plan.segments, visible, topk=spec.topk)
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
-        indices = torch.cat([plan.segments.window_indices(window, offset=source.offset), cmp_rows], dim=1)
+        indices = torch.cat([source.segments.window_indices(window), cmp_rows], dim=1)
         local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
         ratio = spec.compress_ratio
     result = local
@@ -512,6 +529,8 @@ def attention_forward(
         parts = [local]
         for ring_round in source.rounds:
             rows = exchange_rows(kv, ring_round.routes, group, order=order)
+            if ring_round.rows is not None:  # into index order
+                rows = rows.index_select(0, ring_round.rows)
             if ring_round.ranges.num_rows and ring_round.ranges.num_keys:  # empty rounds make no call
                 parts.append(ops.range_attention(q, rows[:, None], rows[:, None, : spec.d_v], ring_round.ranges, scale=scale))
         result = merge_partials(parts, sinks)

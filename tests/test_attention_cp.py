@@ -1,9 +1,11 @@
 """CP-equivalence suite: the one executor on gloo ranks equals the single-process layer.
 
 For every compress mode (NO_COMPRESS with a window and dense causal, COMPRESSOR_ONLY,
-INDEXER, the compressor-None fallback), for contiguous TND with both exchange strategies,
-for per-document zigzag TND and for zigzag BSND (the zigzag layout over equal documents,
-flattened), with ring rounds, all through ``V4Attention.forward`` -> ``attention_forward``, at cp 1-4: the local outputs
+INDEXER, the compressor-None fallback), for every layout (contiguous TND, per-document zigzag
+TND, balanced, and an irregular custom ``ShardLayout``: several ranges per rank, out of order,
+unequal shards, an empty rank at cp 3) with both exchange strategies and with ring rounds, for
+zigzag BSND (the zigzag layout over equal documents, flattened), all through
+``V4Attention.forward`` -> ``attention_forward``, at cp 1-4: the local outputs
 and input gradients concatenated over ranks, and every parameter gradient summed over
 ranks (what CP gradient reduction does), match the dense single-process oracle
 ``V4Attention.reference_forward`` on the whole batch.
@@ -17,14 +19,15 @@ bf16 and differ only in accumulation order.
 One spawn per cp runs every case (spawning costs seconds).
 """
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
 from cpkv.launch import spawn
-from cpkv.plan import bsnd_cu_seqlens, plan_attention, seqlens_to_cu_seqlens
-from cpkv.plan.sharding import shard_contiguous, shard_zigzag, shard_zigzag_tnd, unshard_zigzag, unshard_zigzag_tnd
+from cpkv.plan import AttentionPlan, ShardLayout, bsnd_cu_seqlens, layout_from_ranges, plan_attention, seqlens_to_cu_seqlens
+from cpkv.plan.sharding import shard_zigzag, unshard_zigzag
 from cpkv.v4 import V4Attention, V4Config, reference_forward
 
 # 144 tokens (divisible by cp 1-4): zero-length documents, documents shorter than one
@@ -51,6 +54,8 @@ ZIGZAG_LENGTHS = {"window": [48, 0, 24, 72], "dense": [48, 0, 24, 72], "compress
                   "mixed": [48, 24, 24, 24, 24]}
 EXCHANGES = ["allgather", "need"]
 RINGS = [2, 3, 4]
+LAYOUTS = ["tnd", "zigzag", "balanced", "custom"]  # "tnd": contiguous
+LAYOUT_RINGS = {"tnd": RINGS, "zigzag": [3], "balanced": [3], "custom": [2]}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -69,18 +74,36 @@ def _param_grads(layer: V4Attention) -> dict[str, torch.Tensor | None]:
     return {name: (p.grad.clone() if p.grad is not None else None) for name, p in layer.named_parameters()}
 
 
-def _tnd_case(rank: int, world: int, name: str, dtype: torch.dtype, exchange: str, ring: int = 1) -> dict[str, Any]:
-    config, lengths = CASES[name]
-    cu = seqlens_to_cu_seqlens(lengths)
-    x, grad_out = _inputs(int(cu[-1]), dtype)
-    layer = _layer(config, dtype)
+def _custom_layout(cu: torch.Tensor, world: int) -> ShardLayout:
+    """Pieces of 7 tokens (cut at documents too) dealt to ranks 0, 3, 2, 1, ...; rank 2 holds nothing at cp 3."""
+    cuts = torch.unique(torch.cat([cu.long(), torch.arange(0, int(cu[-1]), 7)]))
+    piece = torch.arange(cuts.numel() - 1)
+    ranks = piece % 2 if world == 3 else (3 * piece) % world
+    return layout_from_ranges(cu, world, cuts[:-1], cuts[1:], ranks)
+
+
+def _lengths(layout: str, name: str) -> list[int]:
+    return ZIGZAG_LENGTHS[name] if layout == "zigzag" else CASES[name][1]
+
+
+def _plan(layout: str, name: str, world: int, rank: int, exchange: str = "allgather", ring: int = 1) -> AttentionPlan:
+    config = CASES[name][0]
+    cu = seqlens_to_cu_seqlens(_lengths(layout, name))
+    arg = {"tnd": "contiguous", "zigzag": "zigzag", "balanced": "balanced"}.get(layout) or _custom_layout(cu, world)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(
-        cu, world, rank, exchange=exchange, ring_degree=ring, compress_ratios=ratios, windows=[config.window]
-    )
-    x_local = shard_contiguous(x, world, rank).clone().requires_grad_(True)
+    return plan_attention(cu, world, rank, layout=arg, exchange=exchange, ring_degree=ring, compress_ratios=ratios,  # type: ignore[arg-type]
+                          windows=[config.window])
+
+
+def _tnd_case(
+    rank: int, world: int, layout: str, name: str, dtype: torch.dtype, exchange: str, ring: int = 1
+) -> dict[str, Any]:
+    plan = _plan(layout, name, world, rank, exchange, ring)
+    x, grad_out = _inputs(plan.num_tokens, dtype)
+    layer = _layer(CASES[name][0], dtype)
+    x_local = plan.shard(x).clone().requires_grad_(True)
     result = layer(x_local, plan, None, grad_scale=GRAD_SCALE)
-    result.out.backward(shard_contiguous(grad_out, world, rank))
+    result.out.backward(plan.shard(grad_out))
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
 
@@ -99,40 +122,31 @@ def _bsnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str
     return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
 
 
-def _zigzag_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str, Any]:
-    config = CASES[name][0]
-    cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS[name])
-    x, grad_out = _inputs(int(cu[-1]), dtype)
-    layer = _layer(config, dtype)
-    ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, layout="zigzag", compress_ratios=ratios)
-    x_local = shard_zigzag_tnd(x, cu, world, rank).clone().requires_grad_(True)
-    result = layer(x_local, plan, None, grad_scale=GRAD_SCALE)
-    result.out.backward(shard_zigzag_tnd(grad_out, cu, world, rank))
-    return {"out": result.out.detach(), "grad_x": x_local.grad, "params": _param_grads(layer), "loss": result.indexer_loss}
-
-
 def _all_cases(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for dtype_name, dtype in DTYPES.items():
-        for name in CASES:
-            for exchange in EXCHANGES:
-                results[f"tnd/{name}/{dtype_name}/{exchange}"] = _tnd_case(rank, world, name, dtype, exchange)
+        for layout in LAYOUTS:
+            for name in CASES:
+                for exchange in EXCHANGES:
+                    results[f"{layout}/{name}/{dtype_name}/{exchange}"] = _tnd_case(rank, world, layout, name, dtype, exchange)
         for name in BSND_CASES:
             results[f"bsnd/{name}/{dtype_name}"] = _bsnd_case(rank, world, name, dtype)
+    for layout in LAYOUTS:
         for name in CASES:
-            results[f"zigzag/{name}/{dtype_name}"] = _zigzag_case(rank, world, name, dtype)
-    for name in CASES:
-        for ring in RINGS:
-            results[f"tnd/{name}/fp32/ring{ring}"] = _tnd_case(rank, world, name, torch.float32, "need", ring)
+            for ring in LAYOUT_RINGS[layout]:
+                results[f"{layout}/{name}/fp32/ring{ring}"] = _tnd_case(rank, world, layout, name, torch.float32, "need", ring)
     return results
 
 
 def _reference(layout: str, name: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Single-process run on the whole batch (BSND as B equal documents)."""
-    config, lengths = CASES[name]
-    lengths = {"tnd": lengths, "zigzag": ZIGZAG_LENGTHS[name]}.get(layout, [BSND_SEQ] * BSND_BATCH)
-    cu = seqlens_to_cu_seqlens(lengths)
+    """Single-process run on the whole batch (BSND as B equal documents); one per batch, whatever its layout."""
+    return _reference_of(tuple([BSND_SEQ] * BSND_BATCH if layout == "bsnd" else _lengths(layout, name)), name, dtype)
+
+
+@functools.cache  # the oracle is the same for every cp and layout of a batch: compute it once per test session
+def _reference_of(lengths: tuple[int, ...], name: str, dtype: torch.dtype) -> dict[str, Any]:
+    config = CASES[name][0]
+    cu = seqlens_to_cu_seqlens(list(lengths))
     x, grad_out = _inputs(int(cu[-1]), dtype)
     layer = _layer(config, dtype)
     x = x.clone().requires_grad_(True)
@@ -142,14 +156,11 @@ def _reference(layout: str, name: str, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _combine(layout: str, name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Concatenate outputs/input grads in natural order; sum parameter grads over ranks."""
-    if layout == "tnd":
-        out = torch.cat([r["out"] for r in per_rank])
-        grad_x = torch.cat([r["grad_x"] for r in per_rank])
-    elif layout == "zigzag":
-        cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS[name])
-        out = unshard_zigzag_tnd([r["out"] for r in per_rank], cu)
-        grad_x = unshard_zigzag_tnd([r["grad_x"] for r in per_rank], cu)
+    """Outputs/input grads in natural order (``plan.unshard``); parameter grads summed over ranks."""
+    if layout != "bsnd":
+        plan = _plan(layout, name, len(per_rank), 0)
+        out = plan.unshard([r["out"] for r in per_rank])
+        grad_x = plan.unshard([r["grad_x"] for r in per_rank])
     else:
         out = unshard_zigzag([r["out"] for r in per_rank]).flatten(0, 1)
         grad_x = unshard_zigzag([r["grad_x"] for r in per_rank]).flatten(0, 1)
@@ -181,9 +192,8 @@ def cp_run(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
     return world, {k: _combine(k.split("/")[0], k.split("/")[1], [r[k] for r in per_rank]) for k in keys}
 
 
-CASE_IDS = (
-    [f"tnd/{n}/{e}" for n in CASES for e in EXCHANGES] + [f"bsnd/{n}" for n in BSND_CASES] + [f"zigzag/{n}" for n in CASES]
-)
+CASE_IDS = [f"{la}/{n}/{e}" for la in LAYOUTS for n in CASES for e in EXCHANGES] + [f"bsnd/{n}" for n in BSND_CASES]
+RING_IDS = [f"{la}/{n}/ring{r}" for la in LAYOUTS for n in CASES for r in LAYOUT_RINGS[la]]
 
 
 def _key(case: str, dtype: str) -> str:
@@ -206,23 +216,24 @@ def test_fp32_matches_single_process(cp_run: tuple[int, dict[str, Any]], case: s
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_need_exchange_equals_allgather(cp_run: tuple[int, dict[str, Any]], name: str) -> None:
+def test_need_exchange_equals_allgather(cp_run: tuple[int, dict[str, Any]], name: str, layout: str) -> None:
     """fp32: the two strategies compute the same numbers up to summation order (<= 1e-6 relative)."""
     _world, results = cp_run
-    allgather, need = _flat(results[f"tnd/{name}/fp32/allgather"]), _flat(results[f"tnd/{name}/fp32/need"])
+    allgather, need = _flat(results[f"{layout}/{name}/fp32/allgather"]), _flat(results[f"{layout}/{name}/fp32/need"])
     assert allgather.keys() == need.keys()
     for key in allgather:
         assert _rel_err(need[key], allgather[key]) <= 1e-6, key
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ring", RINGS)
-@pytest.mark.parametrize("name", list(CASES))
-def test_ring_rounds_equal_one_round(cp_run: tuple[int, dict[str, Any]], name: str, ring: int) -> None:
+@pytest.mark.parametrize("case", RING_IDS)
+def test_ring_rounds_equal_one_round(cp_run: tuple[int, dict[str, Any]], case: str) -> None:
     """fp32: R rounds merged by LSE equal R = 1 (<= 1e-6 relative), forward and backward."""
     _world, results = cp_run
-    one, rounds = _flat(results[f"tnd/{name}/fp32/need"]), _flat(results[f"tnd/{name}/fp32/ring{ring}"])
+    layout, name, ring = case.split("/")
+    one, rounds = _flat(results[f"{layout}/{name}/fp32/need"]), _flat(results[f"{layout}/{name}/fp32/{ring}"])
     assert one.keys() == rounds.keys()
     for key in one:
         assert torch.isfinite(rounds[key]).all(), key

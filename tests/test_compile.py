@@ -23,7 +23,6 @@ import torch
 from cpkv.attention import attention_forward
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
-from cpkv.plan.sharding import shard_contiguous, shard_zigzag_tnd
 from cpkv.v4 import V4Attention, V4Config
 
 MODES = {
@@ -32,13 +31,16 @@ MODES = {
     "compressor": V4Config(compress_ratio=8, window=8),
     "indexer": V4Config(compress_ratio=4, window=8, topk=3),
 }
-LENGTHS = {"contiguous": [5, 0, 23, 3, 17], "zigzag": [16, 0, 32]}  # 48 tokens; zigzag: multiples of 2*cp (cp <= 4)
-LAYOUTS = [("contiguous", "allgather", 1), ("contiguous", "need", 1), ("zigzag", "allgather", 1), ("contiguous", "need", 2)]
+LENGTHS = {"contiguous": [5, 0, 23, 3, 17], "zigzag": [16, 0, 32], "balanced": [5, 0, 23, 3, 17]}  # 48 tokens; zigzag: multiples of 2*cp (cp <= 4)
+LAYOUTS = [(layout, exchange, 1) for layout in LENGTHS for exchange in ("allgather", "need")] + [
+    (layout, "need", 2) for layout in LENGTHS
+]
 ALL_CASES = [(mode, *layout) for mode in MODES for layout in LAYOUTS]
 # CI compiles a cover of every mode, layout and exchange (the full table: scripts/compile_report.py).
 CASES = [
     ("window", "contiguous", "need", 2), ("dense", "zigzag", "allgather", 1), ("compressor", "contiguous", "need", 1),
     ("indexer", "contiguous", "allgather", 1), ("indexer", "zigzag", "allgather", 1), ("indexer", "contiguous", "need", 2),
+    ("indexer", "zigzag", "need", 1), ("compressor", "balanced", "allgather", 1), ("indexer", "balanced", "need", 2),
 ]
 
 
@@ -82,12 +84,12 @@ def compile_cases(
         cu = seqlens_to_cu_seqlens(LENGTHS[layout])
         gen = torch.Generator().manual_seed(3)
         x_all, g_all = torch.randn(48, 64, generator=gen), torch.randn(48, 64, generator=gen)
-        shard = (lambda t: shard_zigzag_tnd(t, cu, world, rank)) if layout == "zigzag" else (lambda t: shard_contiguous(t, world, rank))
         ratios = [config.compress_ratio] if config.mode.compresses else []
         plan = plan_attention(
             cu, world, rank, layout=layout, exchange=exchange, ring_degree=ring,  # type: ignore[arg-type]
             compress_ratios=ratios, windows=[config.window],
         )
+        shard = plan.shard
         layer = V4Attention(config, seed=5)
         fn = layer.forward if target == "layer" else functools.partial(attention_call, layer)
         eager = _run(layer, fn, shard(x_all), plan, shard(g_all))

@@ -358,7 +358,7 @@ class CUDABackend:
             return self._reference.varlen_attention(q, k, v, segments, scale=scale, window=window, sinks=sinks)
         if route == "triton":
             hi = segments.q_kv_rows.to(q.device, torch.int64) + 1
-            lo = segments.q_doc_rows.to(q.device, torch.int64).clamp(min=0)
+            lo = segments.q_first_rows.to(q.device, torch.int64)
             width = segments.max_seqlen_kv if window is None else min(window, segments.max_seqlen_kv)
             lo = lo if window is None else torch.maximum(lo, hi - window)
             return self._list_attention(q, k, v, lo, hi, width, scale, sinks)
@@ -371,7 +371,9 @@ class CUDABackend:
         """One ring round through the kernel, in the :class:`~cpkv.backends.base.KeyRanges` kernel form.
 
         Query rows ``[0, num_rows)`` attend bottom-right aligned over all ``num_keys`` keys
-        with ``window_size=(left, -1)``; the other rows see no key.
+        with ``window_size=(left, -1)``; the other rows see no key. Ranges without that form
+        (``ranges.bottom_right`` False: a layout whose rounds span several documents) run the
+        index-list Triton kernel over ``lo``/``hi``, else the reference.
 
         Args:
             q: ``[T_q, H, D]`` fp16/bf16. k: ``[n, H_kv, D]``, v: ``[n, H_kv, D_v]``, ``n = ranges.num_keys``.
@@ -395,6 +397,8 @@ class CUDABackend:
             return AttentionResult(out, torch.full(q.shape[:2], float("-inf"), dtype=_acc(q.dtype), device=q.device))
         window_size = (ranges.left, -1)
         route = self._route(q, k, v, window_size, prefer_triton=False)
+        if route == "flash" and not ranges.bottom_right:  # ranges of several documents: only lo/hi say them
+            route = "triton" if self._triton_reason(q, k.shape[1]) is None else "reference"
         if route == "reference":
             return self._reference.range_attention(q, k, v, ranges, scale=scale)
         if route == "triton":

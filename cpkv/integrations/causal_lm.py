@@ -35,7 +35,6 @@ from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
 from cpkv.collectives import Group, check_group
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.conventions import validate_cu_seqlens
-from cpkv.plan.sharding import contiguous_shard_range, zigzag_tnd_index
 
 __all__ = [
     "GradReduction",
@@ -140,7 +139,7 @@ def shift_labels(labels: Tensor, cu_seqlens: Tensor, *, ignore_index: int = -100
 
 
 def shard_by_plan(x: Tensor, cu_seqlens: Tensor, plan: AttentionPlan, *, dim: int = 0) -> Tensor:
-    """This rank's tokens of a packed ``x`` in the plan's shard order (contiguous or per-document zigzag).
+    """This rank's tokens of a packed ``x`` in the plan's shard order (any layout; ``plan.shard`` with checks).
 
     Args:
         x: ``[T, ...]`` (tokens at ``dim``) of the whole packed batch.
@@ -148,7 +147,7 @@ def shard_by_plan(x: Tensor, cu_seqlens: Tensor, plan: AttentionPlan, *, dim: in
         plan: this rank's plan.
 
     Returns:
-        ``[T/cp, ...]``: a view (contiguous) or a copy (zigzag), ``x``'s device.
+        ``[plan.local_len, ...]``: a view (contiguous) or a copy (other layouts), ``x``'s device.
 
     Raises:
         ValueError: ``x`` does not hold ``plan.num_tokens`` tokens at ``dim``, or ``cu_seqlens``
@@ -161,9 +160,8 @@ def shard_by_plan(x: Tensor, cu_seqlens: Tensor, plan: AttentionPlan, *, dim: in
     if x.ndim == 0 or x.shape[dim] != plan.num_tokens:
         raise ValueError(f"x must hold the plan's {plan.num_tokens} tokens (plan.num_tokens) along dim {dim}, got shape {tuple(x.shape)}")
     if plan.layout == "contiguous":
-        start, length = contiguous_shard_range(plan.num_tokens, plan.cp_size, plan.cp_rank)
-        return x.narrow(dim, start, length)
-    return x.index_select(dim, zigzag_tnd_index(cu_seqlens, plan.cp_size, plan.cp_rank).to(x.device))
+        return x.narrow(dim, plan.cp_rank * plan.local_len, plan.local_len)
+    return plan.shard(x, dim=dim)
 
 
 def global_valid_count(labels: Tensor, group: Group, *, ignore_index: int = -100) -> Tensor:

@@ -13,7 +13,7 @@ and, per compress ratio, the compressor's blocks and the entries' routes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Literal, get_args
 
@@ -21,51 +21,29 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from cpkv.checks import check_int, check_int_dtype, check_tensor
+from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
 from cpkv.agreement import agree
 from cpkv.collectives import check_group, check_group_position, check_same_on_all_ranks
+from cpkv.plan.balance import CostModel, balanced_layout
 from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.plan.layouts import ShardLayout, contiguous_layout, expand_ranges, zigzag_layout
+from cpkv.plan.need import Partition, compressed_need, kv_need, token_partition
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
-from cpkv.plan.routes import CompressedRoutes, Routes, compressed_routes, kv_routes, plan_routes, rank_bounds
-from cpkv.plan.segments import KeyRanges, SegmentPlan, plan_segments
-from cpkv.plan.sharding import (
-    check_zigzag_tnd_lengths, contiguous_shard_range, zigzag_chunks, zigzag_tnd_gather_index, zigzag_tnd_index,
-)
+from cpkv.plan.routes import CompressedRoutes, KVSource, RingRound
+from cpkv.plan.segments import EntryVisibility, SegmentPlan, plan_segments
+from cpkv.plan.sharding import check_zigzag_tnd_lengths
 
-Layout = Literal["contiguous", "zigzag"]
+Layout = Literal["contiguous", "zigzag", "balanced"]
 """``"contiguous"``: rank ``r`` holds packed tokens ``[r*T/cp, (r+1)*T/cp)``; ``"zigzag"``: chunks
-``r`` and ``2cp-1-r`` of every document (documents padded to multiples of ``2*cp``)."""
+``r`` and ``2cp-1-r`` of every document (documents padded to multiples of ``2*cp``); ``"balanced"``:
+ranges cut so that a V4 layer stack's modeled cost is equal on every rank (:mod:`cpkv.plan.balance`).
+A :class:`~cpkv.plan.layouts.ShardLayout` gives any other layout (``plan.layout == "custom"``)."""
 Exchange = Literal["allgather", "need"]
 """``"allgather"``: gather all kv (and compressor inputs); ``"need"``: move only the rows each rank needs."""
+LayoutName = Literal["contiguous", "zigzag", "balanced", "custom"]
+"""A plan's :attr:`AttentionPlan.layout`: the layout's name, ``"custom"`` for a given ``ShardLayout``."""
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 EXCHANGES: tuple[str, ...] = get_args(Exchange)
-
-
-@dataclass(frozen=True, eq=False)
-class RingRound:
-    """One round of the ring exchange: the rows that move and what each query sees of them."""
-
-    routes: Routes
-    ranges: KeyRanges
-
-
-@dataclass(frozen=True, eq=False)
-class KVSource:
-    """How this rank's kv buffer for one layer kind (window) is built, and the segments over it.
-
-    Attributes:
-        halo: need exchange: the kv rows received from earlier ranks and placed in front of
-            the rank's own rows (``None``: the buffer comes from the all-gather, or, with ring
-            rounds, is the rank's own rows only).
-        offset: prefix rows (of :attr:`AttentionPlan.segments`) missing at the buffer's front.
-        segments: the segments over the buffer, for varlen kernels.
-        rounds: ring rounds carrying the remote rows (``ring_degree > 1``), else empty.
-    """
-
-    halo: Routes | None
-    offset: int
-    segments: SegmentPlan
-    rounds: tuple[RingRound, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,10 +51,11 @@ class AttentionPlan:
     """Everything one rank needs to run prefix attention on its shard of one micro-batch.
 
     Attributes:
-        layout, exchange, ring_degree: the options the plan was built with.
+        layout, exchange, ring_degree: the options the plan was built with (``layout`` is
+            ``"custom"`` for a :class:`~cpkv.plan.layouts.ShardLayout`).
         cp_size, cp_rank: the sharding.
         num_tokens: ``T``, packed tokens of the micro-batch (all ranks).
-        local_len: ``T / cp``, tokens of this rank.
+        local_len: tokens of this rank (``T / cp`` in the contiguous and zigzag layouts).
         num_documents: ``B`` (``cu_seqlens`` had ``B + 1`` entries).
         num_global_queries: ``N``, real (not padding) query tokens of the CP group, at least 1
             (the indexer-loss normaliser).
@@ -84,8 +63,9 @@ class AttentionPlan:
             with blocks and visibility of every planned compress ratio. RoPE positions of the
             local tokens: ``segments.q_positions``.
         prefix: contiguous layout: where the prefix lies in the gathered kv, else ``None``.
-        gather_rows: zigzag layout: ``[sum Lkv]`` int64 rows of the rank-major all-gather forming
-            the prefix buffer (each document's two overlapping prefixes), else ``None``.
+        gather_rows: all-gather in the other layouts: ``[sum Lkv]`` int64 rows of the rank-major
+            all-gather (``gather_len`` rows per rank) forming the prefix buffer (a prefix shared by
+            two ranges of one document appears once per range), else ``None``.
         kv: need exchange: one :class:`KVSource` per planned window; all-gather: one source
             (key ``None``) that serves every window.
         compressed: need exchange: the :class:`~cpkv.plan.routes.CompressedRoutes` of each ratio.
@@ -98,9 +78,13 @@ class AttentionPlan:
             ``plan_attention`` was given ``padding``; ``None`` when every token is real. Padding
             queries are attended as usual (mask their loss) but take no part in the indexer
             loss: neither in its value, its gradients nor ``N``.
+        shards: every rank's token ranges (:class:`~cpkv.plan.layouts.ShardLayout`): cut
+            per-token tensors with :meth:`shard`, put them back with :meth:`unshard`.
+        gather_len: rows every rank contributes to an all-gather: the longest shard (shorter
+            shards are padded; ``local_len`` in the contiguous and zigzag layouts).
     """
 
-    layout: Layout
+    layout: LayoutName
     exchange: Exchange
     ring_degree: int
     cp_size: int
@@ -119,11 +103,59 @@ class AttentionPlan:
     prev_blocks: Mapping[int, int]
     check_modules: bool = True
     valid_queries: Tensor | None = None
+    shards: ShardLayout | None = None
+    gather_len: int = 0
 
     @property
     def q_positions(self) -> Tensor:
         """``[T/cp]`` int64 document position of each local token (for RoPE)."""
         return self.segments.q_positions
+
+    @property
+    def layout_ranges(self) -> ShardLayout:
+        """:attr:`shards`, which :func:`plan_attention` always sets."""
+        if self.shards is None:
+            raise ValueError("plan has no shards (ShardLayout): build it with plan_attention")
+        return self.shards
+
+    def shard(self, x: Tensor, *, dim: int = 0) -> Tensor:
+        """This rank's rows of a per-token tensor of the whole micro-batch, in shard order.
+
+        Args:
+            x: ``[..., T, ...]`` (tokens at ``dim``, natural packed order): token ids, labels,
+                positions, embeddings; any dtype and device.
+
+        Returns:
+            ``[..., local_len, ...]`` on ``x``'s device (differentiable, an ``index_select``).
+
+        Raises:
+            TypeError: ``x`` not a tensor. ValueError: ``x.shape[dim] != T``.
+        """
+        return self.layout_ranges.shard(x, self.cp_rank, dim=dim)
+
+    def unshard(self, shards: Sequence[Tensor], *, dim: int = 0) -> Tensor:
+        """The whole micro-batch's per-token tensor in natural order from every rank's shard.
+
+        Args:
+            shards: a list of ``cp_size`` tensors, ``shards[r]`` rank ``r``'s rows
+                ``[..., L_r, ...]`` (e.g. from ``torch.distributed.all_gather_object`` or a
+                per-rank loop in a data loader).
+
+        Returns:
+            ``[..., T, ...]``.
+
+        Raises:
+            ValueError: not ``cp_size`` shards, or a shard without its rank's row count.
+        """
+        return self.layout_ranges.unshard(shards, dim=dim)
+
+    def visible_for(self, ratio: int) -> EntryVisibility:
+        """Which entries of the rank's entry buffer each query sees at ``ratio`` (this exchange's buffer)."""
+        if self.exchange == "need" and ratio in self.compressed:
+            visible = self.compressed[ratio].visible
+            if visible is not None:
+                return visible
+        return self.segments.visible_for(ratio)
 
     def kv_source(self, window: int | None) -> KVSource:
         """The :class:`KVSource` of layers with ``window``; ``ValueError`` if it was not planned."""
@@ -137,104 +169,74 @@ class AttentionPlan:
         return self.kv[window]
 
 
-def _zigzag_buffer(cu_seqlens: Tensor, cp_size: int, cp_rank: int, ratios: Sequence[int]) -> tuple[SegmentPlan, Tensor]:
-    """Segments of the duplicated two-prefixes-per-document buffer, and its gathered rows."""
-    first, second = zigzag_chunks(cp_size, cp_rank)
-    check_zigzag_tnd_lengths(cu_seqlens, cp_size)
-    starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.long().diff()
-    keep = lengths > 0
-    starts, chunk = starts[keep], lengths[keep] // (2 * cp_size)
-    q_lens = chunk.repeat_interleave(2)
-    kv_lens = torch.stack([(first + 1) * chunk, (second + 1) * chunk], 1).flatten()
-    zero = q_lens.new_zeros(1)
-    cu_q, cu_kv = torch.cat([zero, q_lens.cumsum(0)]), torch.cat([zero, kv_lens.cumsum(0)])
-    total = int(cu_kv[-1])
-    seg = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cu_kv.device), kv_lens, output_size=total)
-    natural = starts.repeat_interleave(2)[seg] + torch.arange(total, device=cu_kv.device) - cu_kv[seg]
-    rows = zigzag_tnd_gather_index(cu_seqlens, cp_size)[natural]
-    return plan_segments(cu_q, cu_kv, compress_ratios=ratios), rows
+def _full_prefix(layout: ShardLayout, rank: int, ratios: Sequence[int], gather_len: int) -> tuple[SegmentPlan, Tensor]:
+    """Segments of the rank's ranges over their documents' full prefixes, and each buffer row's all-gather row.
 
-
-def _rounds(
-    segments: SegmentPlan, prefix: PrefixKVPlan, lo: Tensor, owned: Tensor, rank: int, window: int | None,
-    ring_degree: int, device: torch.device,
-) -> tuple[RingRound, ...]:
-    """Split every rank's needed range ``[lo, a)`` into ``ring_degree`` parts; plan each part's key ranges."""
-    a = owned[:, 0]
-    cuts = [lo + (a - lo) * i // ring_degree for i in range(ring_degree + 1)]
-    position = prefix.rank_offset + torch.arange(segments.num_queries, device=device)
-    doc_start = prefix.kv_start + segments.q_doc_rows
-    first_lo = doc_start if window is None else torch.maximum(doc_start, position - window + 1)
-    rounds = []
-    for i in range(ring_degree):
-        routes = plan_routes(torch.stack([cuts[i], cuts[i + 1]], 1), owned, rank, device=device)
-        start, size = int(cuts[i][rank]), int(cuts[i + 1][rank] - cuts[i][rank])
-        key_lo = (first_lo - start).clamp(0, size)
-        key_hi = torch.maximum(key_lo, (position + 1 - start).clamp(0, size))
-        num_rows = int((key_lo < key_hi).sum())
-        # Kernel form: row i < num_rows sees keys j >= i + (size - num_rows) - left, to the end.
-        left = -1 if window is None else (size - num_rows) - (prefix.rank_offset - window + 1 - start)
-        rounds.append(RingRound(routes, KeyRanges(key_lo, key_hi, size, num_rows, left)))
-    return tuple(rounds)
-
-
-def _need_sources(
-    cu: Tensor, segments: SegmentPlan, prefix: PrefixKVPlan, cp_size: int, cp_rank: int, windows: Sequence[int | None],
-    ring_degree: int, device: torch.device,
-) -> dict[int | None, KVSource]:
-    owned = rank_bounds(prefix.local_len, cp_size)
-    sources: dict[int | None, KVSource] = {}
-    for window in windows:
-        halo, lo = kv_routes(cu, owned, cp_rank, window, device)
-        if ring_degree > 1:  # the buffer is the rank's own rows; the rest arrives in rounds
-            offset, rounds, halo_or_none = prefix.rank_offset - prefix.kv_start, _rounds(
-                segments, prefix, lo, owned, cp_rank, window, ring_degree, device
-            ), None
-        else:
-            offset, rounds, halo_or_none = int(lo[cp_rank]) - prefix.kv_start, (), halo
-        sources[window] = KVSource(halo_or_none, offset, _buffer_segments(segments, offset), rounds)
-    return sources
-
-
-def _buffer_segments(segments: SegmentPlan, offset: int) -> SegmentPlan:
-    """``segments`` over a buffer that lacks the first ``offset`` prefix rows, without compressed entries.
-
-    Equal to ``plan_segments(cu_q, [0, cu_kv[1:] - offset], kv_offset=offset)``, derived by
-    arithmetic: only the first kv segment shrinks; every row moves up by ``offset`` and the
-    positions stay (tensors that do not change are those of ``segments``, shared).
+    The all-gather is rank-major with ``gather_len`` rows per rank; a prefix that two ranges of
+    one document share appears once per range.
     """
-    cu_kv, kv_ends = segments.cu_seqlens_kv, segments.actual_seq_kvlen
-    if kv_ends:
-        cu_kv = torch.cat([cu_kv[:1], cu_kv[1:] - offset])
-    lengths = [end - start for start, end in zip((0, *kv_ends[:-1]), kv_ends)]
-    if lengths:
-        lengths[0] -= offset
-    return SegmentPlan(
-        cu_seqlens_q=segments.cu_seqlens_q, cu_seqlens_kv=cu_kv, max_seqlen_q=segments.max_seqlen_q,
-        max_seqlen_kv=max(lengths, default=0), actual_seq_qlen=segments.actual_seq_qlen,
-        actual_seq_kvlen=tuple(end - offset for end in kv_ends), q_positions=segments.q_positions,
-        q_kv_rows=segments.q_kv_rows - offset if offset else segments.q_kv_rows,
-        q_doc_rows=segments.q_doc_rows - offset if offset else segments.q_doc_rows, compressed=(), visible=(),
-    )
+    starts, ends = layout.ranges_of(rank)
+    mine = slice(int(layout.offsets[rank]), int(layout.offsets[rank + 1]))
+    doc_start = layout.cu_seqlens.index_select(0, layout.documents[mine])
+    zero = torch.zeros(1, dtype=torch.int64)
+    cu_q, cu_kv = torch.cat([zero, torch.cumsum(ends - starts, 0)]), torch.cat([zero, torch.cumsum(ends - doc_start, 0)])
+    owner, local = token_partition(layout).locate(expand_ranges(doc_start, ends))
+    return plan_segments(cu_q, cu_kv, compress_ratios=ratios), owner * gather_len + local
+
+
+def shard_layout(
+    cu_seqlens: Tensor, cp_size: int, layout: Layout | ShardLayout, cost_model: CostModel | None = None
+) -> ShardLayout:
+    """Every rank's token ranges for ``layout`` (validated against ``cu_seqlens`` and ``cp_size``).
+
+    Raises:
+        ValueError: an unknown layout, ``T % cp_size != 0`` (contiguous, zigzag), a zigzag document
+            length not divisible by ``2 * cp_size``, a ``ShardLayout`` for other documents or ranks.
+    """
+    if isinstance(layout, ShardLayout):
+        if layout.cp_size != cp_size or not torch.equal(layout.cu_seqlens, cu_seqlens.detach().to("cpu", torch.int64)):
+            raise ValueError("layout (a ShardLayout) must be made for these cu_seqlens and cp_size")
+        return layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or a ShardLayout, got {layout!r}")
+    if layout == "balanced":
+        return balanced_layout(cu_seqlens, cp_size, cost_model)
+    if cost_model is not None:
+        raise ValueError(f"cost_model is for layout='balanced' only, got layout={layout!r}")
+    num_tokens = int(cu_seqlens[-1])
+    if num_tokens % cp_size:
+        raise ValueError(
+            f"T = {num_tokens} tokens must be divisible by cp_size = {cp_size} for layout={layout!r}"
+            " (pad the batch, or use layout='balanced')"
+        )
+    if layout == "zigzag":
+        check_zigzag_tnd_lengths(cu_seqlens, cp_size)
+        return zigzag_layout(cu_seqlens, cp_size)
+    return contiguous_layout(cu_seqlens, cp_size)
 
 
 def plan_attention(
-    cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout = "contiguous", exchange: Exchange = "allgather",
+    cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout | ShardLayout = "contiguous", exchange: Exchange = "allgather",
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
     prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
-    check_ranks: bool = True, padding: Tensor | None = None,
+    check_ranks: bool = True, padding: Tensor | None = None, cost_model: CostModel | None = None,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
     Args:
         cu_seqlens: ``[B + 1]`` int32/int64 **global** leading-zero cu_seqlens of the micro-batch
             (all ranks' tokens, padding included), any device; the plan's tensors live there.
-            ``T % cp_size == 0``; with ``layout="zigzag"`` every document length is a multiple
-            of ``2 * cp_size`` (pad with :func:`cpkv.plan.conventions.pad_documents`).
+            ``T % cp_size == 0`` for the contiguous and zigzag layouts; with ``layout="zigzag"``
+            every document length is a multiple of ``2 * cp_size`` (pad with
+            :func:`cpkv.plan.conventions.pad_documents`). ``"balanced"`` takes any lengths.
         cp_size, cp_rank: CP group size and this rank.
-        layout: ``"contiguous"`` or ``"zigzag"`` (per-document zigzag TND; zigzag BSND is this
-            layout with equal-length documents, see :func:`bsnd_cu_seqlens`).
-        exchange: ``"allgather"`` or ``"need"`` (contiguous layout only).
+        layout: ``"contiguous"``, ``"zigzag"`` (per-document zigzag TND; zigzag BSND is this
+            layout with equal-length documents, see :func:`bsnd_cu_seqlens`), ``"balanced"``
+            (ranges cut so that ``cost_model``'s modeled cost is equal on every rank,
+            :func:`cpkv.plan.balance.balanced_layout`), or any
+            :class:`~cpkv.plan.layouts.ShardLayout` (the same on every rank). Cut the batch's
+            per-token tensors with ``plan.shard(x)``.
+        exchange: ``"allgather"`` or ``"need"`` (any layout).
         ring_degree: ``R > 1`` receives the remote kv of the need exchange in ``R`` rounds
             merged exactly by LSE (``exchange="need"`` only).
         compress_ratios: a sequence of the ratios ``> 1`` of the compressed layers that will use
@@ -270,14 +272,17 @@ def plan_attention(
             attended like any other (causality keeps them out of real tokens' outputs; mask
             their loss), but they do not count in the indexer loss: ``plan.valid_queries``
             marks the real local rows and ``plan.num_global_queries`` counts real tokens only.
+        cost_model: ``layout="balanced"``: the :class:`~cpkv.plan.balance.CostModel` to balance
+            (default: DeepSeek-V4-Flash's layer stack).
 
     Returns:
         :class:`AttentionPlan`.
 
     Raises:
-        TypeError, ValueError: invalid ``cu_seqlens``, ``T % cp_size != 0``, rank out of range,
-            an unknown layout or exchange, ``exchange="need"`` or ``ring_degree > 1`` with the
-            zigzag layout, ``ring_degree > 1`` without ``exchange="need"``, a zigzag document
+        TypeError, ValueError: invalid ``cu_seqlens``, ``T % cp_size != 0`` (contiguous, zigzag),
+            rank out of range, an unknown layout or exchange, a ``ShardLayout`` made for other
+            ``cu_seqlens`` or ``cp_size``, ``cost_model`` with another layout, ``ring_degree > 1``
+            without ``exchange="need"``, a zigzag document
             length not divisible by ``2 * cp_size`` (the first one is named), ``compress_ratios``
             or ``windows`` not a sequence, ``prev_blocks`` not a mapping or naming an unplanned
             ratio, a ratio ``< 2``, a window ``< 1``, a group position other than
@@ -293,7 +298,7 @@ def plan_attention(
     """
     def build() -> AttentionPlan:
         return _build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios, windows,
-                           prev_blocks, check_modules, padding)
+                           prev_blocks, check_modules, padding, cost_model)
 
     if group is None:
         return build()
@@ -314,8 +319,12 @@ def plan_attention(
 def _options(plan: AttentionPlan) -> list[int]:
     """The plan's options as integers, for the cross-rank comparison."""
     windows = [-1 if w is None else w for w in plan.windows]
-    return [LAYOUTS.index(plan.layout), EXCHANGES.index(plan.exchange), plan.ring_degree, int(plan.check_modules),
-            *plan.compress_ratios, -7, *plan.prev_blocks.values(), -7, *windows]
+    ranges: list[int] = []
+    if plan.layout in ("custom", "balanced"):  # every rank must hold the same ranges (and cost model)
+        shards = plan.layout_ranges
+        ranges = [-7, *shards.starts.tolist(), -7, *shards.ranks.tolist()]
+    return [(*LAYOUTS, "custom").index(plan.layout), EXCHANGES.index(plan.exchange), plan.ring_degree,
+            int(plan.check_modules), *plan.compress_ratios, -7, *plan.prev_blocks.values(), -7, *windows, *ranges]
 
 
 def _int_sequence(name: str, value: object, *, minimum: int, allow_none: bool = False) -> tuple[int | None, ...]:
@@ -333,56 +342,77 @@ def _int_sequence(name: str, value: object, *, minimum: int, allow_none: bool = 
 
 
 def _build_plan(
-    cu_seqlens: Tensor, cp_size: int, cp_rank: int, layout: Layout, exchange: Exchange, ring_degree: int,
+    cu_seqlens: Tensor, cp_size: int, cp_rank: int, layout: Layout | ShardLayout, exchange: Exchange, ring_degree: int,
     compress_ratios: Sequence[int], windows: Sequence[int | None], prev_blocks: Mapping[int, int] | None,
-    check_modules: bool, padding: Tensor | None,
+    check_modules: bool, padding: Tensor | None, cost_model: CostModel | None = None,
 ) -> AttentionPlan:
     """:func:`plan_attention` without the group: validate, then plan."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     check_int("ring_degree", ring_degree, minimum=1)
+    check_int("cp_size", cp_size, minimum=1)
+    check_rank("cp_rank", cp_rank, cp_size)
     if not isinstance(check_modules, bool):
         raise TypeError(f"check_modules must be a bool, got {type(check_modules).__name__}")
     if ring_degree > 1 and exchange != "need":
         raise ValueError(f"ring_degree={ring_degree} splits the need-based exchange: pass exchange='need'")
-    if layout == "zigzag" and exchange != "allgather":
-        raise ValueError("layout='zigzag' supports only exchange='allgather' (the need exchange is contiguous-only)")
     validate_cu_seqlens(cu_seqlens)
     ratios = tuple(r for r in _int_sequence("compress_ratios", compress_ratios, minimum=2) if r is not None)
     planned_windows = _int_sequence("windows", windows, minimum=1, allow_none=True)
     reach = _prev_blocks(ratios, prev_blocks)
     real_lengths = _real_lengths(cu_seqlens, padding)
-    num_tokens = int(cu_seqlens[-1])
-    offset, local_len = contiguous_shard_range(num_tokens, cp_size, cp_rank)
+    shards = shard_layout(cu_seqlens, cp_size, layout, cost_model)
+    name: LayoutName = "custom" if isinstance(layout, ShardLayout) else layout
+    num_tokens, local_len, gather_len = int(cu_seqlens[-1]), shards.local_lens[cp_rank], max(shards.local_lens)
     device = cu_seqlens.device
     prefix, rows, compressed = None, None, {}
-    kv: dict[int | None, KVSource]
-    if layout == "zigzag":
-        segments, rows = _zigzag_buffer(cu_seqlens, cp_size, cp_rank, ratios)
-        kv = {None: KVSource(None, 0, segments, ())}
-    else:
-        prefix = compute_prefix_kv_cu_seqlens(cu_seqlens, offset, local_len)
+    if name == "contiguous":
+        prefix = compute_prefix_kv_cu_seqlens(cu_seqlens, cp_rank * local_len, local_len)
         segments = plan_segments(prefix.cu_seqlens_q, prefix.cu_seqlens_kv, compress_ratios=ratios)
-        kv = {None: KVSource(None, 0, segments, ())}
-        if exchange == "need":
-            cu = cu_seqlens.detach().to("cpu", torch.int64)
-            kv = _need_sources(cu, segments, prefix, cp_size, cp_rank, planned_windows or (None,), ring_degree, device)
-            owned = rank_bounds(local_len, cp_size)
-            compressed = {r: compressed_routes(cu, owned, cp_rank, r, reach[r], device) for r in ratios}
+    else:
+        segments, rows = _full_prefix(shards, cp_rank, ratios, gather_len)
+        segments, rows = _to_device(segments, device), rows.to(device)
+    kv: dict[int | None, KVSource] = {None: KVSource(None, 0, segments, ())}
+    if exchange == "need":
+        rows, parts = None, token_partition(shards)
+        kv = {w: _on(kv_need(shards, parts, cp_rank, w, ring_degree, device), device) for w in planned_windows or (None,)}
+        compressed = {r: compressed_need(shards, parts, cp_rank, r, reach[r], device) for r in ratios}
     valid, num_real = None, num_tokens
     if real_lengths is not None:
-        valid = _valid_rows(cu_seqlens, real_lengths, layout, cp_size, cp_rank)
+        valid = _valid_rows(shards, real_lengths, cp_rank).to(device)
         num_real = int(real_lengths.sum())
     return AttentionPlan(
-        layout=layout, exchange=exchange, ring_degree=ring_degree, cp_size=cp_size, cp_rank=cp_rank,
+        layout=name, exchange=exchange, ring_degree=ring_degree, cp_size=cp_size, cp_rank=cp_rank,
         num_tokens=num_tokens, local_len=local_len, num_documents=cu_seqlens.numel() - 1,
         num_global_queries=max(num_real, 1), segments=segments, prefix=prefix, gather_rows=rows,
         kv=MappingProxyType(kv), compressed=MappingProxyType(compressed),
         windows=planned_windows, compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
-        check_modules=check_modules, valid_queries=valid,
+        check_modules=check_modules, valid_queries=valid, shards=shards, gather_len=gather_len,
     )
+
+
+def _to_device(segments: SegmentPlan, device: torch.device) -> SegmentPlan:
+    """``segments`` with its tensors on ``device`` (planned on the CPU)."""
+    if device.type == "cpu":
+        return segments
+    moved = {f.name: getattr(segments, f.name) for f in fields(segments)}
+    for key, value in moved.items():
+        if isinstance(value, Tensor):
+            moved[key] = value.to(device)
+    moved["compressed"] = tuple(replace(c, block_starts=c.block_starts.to(device), entry_positions=c.entry_positions.to(device))
+                                for c in segments.compressed)
+    moved["visible"] = tuple(replace(v, cu_seqlens=v.cu_seqlens.to(device), visible_start=v.visible_start.to(device),
+                                     visible_count=v.visible_count.to(device)) for v in segments.visible)
+    return SegmentPlan(**moved)
+
+
+def _on(source: KVSource, device: torch.device) -> KVSource:
+    """``source`` with its segments and key ranges on ``device``."""
+    if device.type == "cpu":
+        return source
+    rounds = tuple(replace(r, ranges=replace(r.ranges, lo=r.ranges.lo.to(device), hi=r.ranges.hi.to(device)))
+                   for r in source.rounds)
+    return replace(source, segments=_to_device(source.segments, device), rounds=rounds)
 
 
 def _real_lengths(cu_seqlens: Tensor, padding: Tensor | None) -> Tensor | None:
@@ -407,16 +437,12 @@ def _real_lengths(cu_seqlens: Tensor, padding: Tensor | None) -> Tensor | None:
     return lengths - pad
 
 
-def _valid_rows(cu_seqlens: Tensor, real_lengths: Tensor, layout: Layout, cp_size: int, cp_rank: int) -> Tensor:
-    """``[T/cp]`` bool on ``cu_seqlens.device``: the local rows whose token lies within its document's real length."""
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    if layout == "zigzag":
-        natural = zigzag_tnd_index(cu, cp_size, cp_rank)
-    else:
-        offset, local_len = contiguous_shard_range(int(cu[-1]), cp_size, cp_rank)
-        natural = torch.arange(offset, offset + local_len)
+def _valid_rows(shards: ShardLayout, real_lengths: Tensor, cp_rank: int) -> Tensor:
+    """``[local_len]`` bool (CPU): the local rows whose token lies within its document's real length."""
+    natural = shards.local_tokens(cp_rank)
+    cu = shards.cu_seqlens
     doc = torch.searchsorted(cu[1:], natural, right=True)
-    return (natural - cu[doc] < real_lengths[doc]).to(cu_seqlens.device)
+    return natural - cu[doc] < real_lengths[doc]
 
 
 def _prev_blocks(ratios: Sequence[int], prev_blocks: Mapping[int, int] | None) -> dict[int, int]:

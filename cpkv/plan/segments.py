@@ -89,7 +89,8 @@ class SegmentPlan:
         q_positions: ``[T_q]`` int64 document position of each query (RoPE, causality).
         q_kv_rows: ``[T_q]`` int64 kv row holding the query's own token.
         q_doc_rows: ``[T_q]`` int64 kv row of the query's document's first token (may be
-            negative when the segments describe a buffer that starts after the document start).
+            negative, or inside an earlier segment, when a segment lacks its document's front).
+        q_first_rows: ``[T_q]`` int64 first kv row of the query's segment: the first row it may see.
         compressed: one :class:`CompressedPlan` per planned ratio (blocks of the prefix).
         visible: one :class:`EntryVisibility` per planned ratio.
     """
@@ -103,6 +104,7 @@ class SegmentPlan:
     q_positions: Tensor
     q_kv_rows: Tensor
     q_doc_rows: Tensor
+    q_first_rows: Tensor
     compressed: tuple[CompressedPlan, ...]
     visible: tuple[EntryVisibility, ...]
 
@@ -139,14 +141,14 @@ class SegmentPlan:
         """``[T_q, window]`` int64 kv rows of each query's sliding window, -1 padded.
 
         The window is the query's own token plus the ``window - 1`` tokens before it,
-        clipped at the document start. ``offset`` is subtracted from every row (rows of a
+        clipped at the document start and at the segment's first row. ``offset`` is subtracted from every row (rows of a
         buffer that starts ``offset`` rows into the prefix); rows that fall before the
         buffer become -1.
         """
         check_int("window", window, minimum=1)
         offsets = torch.arange(window - 1, -1, -1, device=self.q_kv_rows.device)
         rows = self.q_kv_rows[:, None] - offsets
-        visible = (rows >= self.q_doc_rows[:, None]) & (rows >= offset)
+        visible = (rows >= self.q_doc_rows[:, None]) & (rows >= self.q_first_rows[:, None]) & (rows >= offset)
         return torch.where(visible, rows - offset, -1)
 
 
@@ -184,7 +186,7 @@ def _compressed(
 
 
 def plan_segments(
-    cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor, *, compress_ratios: Sequence[int] = (), kv_offset: int = 0
+    cu_seqlens_q: Tensor, cu_seqlens_kv: Tensor, *, compress_ratios: Sequence[int] = (), kv_offset: int | Tensor = 0
 ) -> SegmentPlan:
     """Per-query index plan of bottom-right aligned prefix segments.
 
@@ -194,8 +196,9 @@ def plan_segments(
             with its query segment (bottom-right aligned).
         compress_ratios: ratios ``> 1`` to plan compressed entries for.
         kv_offset: the first kv segment lacks this many rows at its front (a buffer that starts
-            inside the first document, as the need-based exchange builds): positions, window
-            rows and ``q_doc_rows`` account for them. Only valid without compress ratios.
+            inside the first document, as the need-based exchange builds), or a ``[B]`` int
+            tensor of the rows each segment lacks: positions, window rows and ``q_doc_rows``
+            account for them. Only valid without compress ratios.
 
     Raises:
         ValueError: invalid cu_seqlens, different lengths, a kv segment shorter than its
@@ -219,7 +222,10 @@ def plan_segments(
     # Query i of segment b: document row cu_kv[b] (less kv_offset in the first segment) and
     # position (Lkv_b - Lq_b) + i (plus kv_offset in the first segment), i = t - cu_q[b].
     first = torch.zeros_like(cu_kv)
-    first[:1] = kv_offset
+    if isinstance(kv_offset, Tensor):
+        first = first + kv_offset.to(first)
+    else:
+        first[:1] = kv_offset
     doc_rows = (cu_kv - first).index_select(0, seg)
     positions = (kv_lens - q_lens - cu_q + first).index_select(0, seg).add_(torch.arange(num_q, device=q_lens.device))
     pairs = [_compressed(cu_seqlens_kv, seg, positions, r) for r in dict.fromkeys(compress_ratios)]
@@ -233,6 +239,7 @@ def plan_segments(
         q_positions=positions,
         q_kv_rows=doc_rows + positions,
         q_doc_rows=doc_rows,
+        q_first_rows=cu_kv.index_select(0, seg),
         compressed=tuple(b for b, _ in pairs),
         visible=tuple(v for _, v in pairs),
     )
@@ -253,6 +260,8 @@ class KeyRanges:
         num_keys: rows of the round's kv.
         num_rows: leading query rows that see at least one key.
         left: the kernel form's left window (``-1`` = unbounded).
+        bottom_right: whether the kernel form describes exactly ``lo``/``hi`` (always in the
+            contiguous layout); when ``False``, only ``lo``/``hi`` do.
     """
 
     lo: Tensor
@@ -260,3 +269,4 @@ class KeyRanges:
     num_keys: int
     num_rows: int
     left: int
+    bottom_right: bool = True

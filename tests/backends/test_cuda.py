@@ -471,3 +471,21 @@ def test_real_kernel_range_attention_against_reference(case: str) -> None:
     ranges = key_ranges(12, num_keys, num_rows, left)
     ranges = KeyRanges(ranges.lo.cuda(), ranges.hi.cuda(), num_keys, num_rows, left)
     assert_round_error_bound(CUDABackend(), ranges, [t.cuda() for t in _round_inputs(num_keys, torch.bfloat16)], case)
+
+
+def test_range_attention_without_the_kernel_form_never_calls_the_varlen_kernel() -> None:
+    """Ranges over two documents (a zigzag ring round) have no bottom-right form: the flash kernel
+    would attend every row to the round's last key, so they go to the lo/hi path and equal the reference."""
+    from cpkv.plan import plan_attention
+
+    plans = [plan_attention(torch.tensor([0, 16, 32]), 2, r, layout="zigzag", exchange="need", ring_degree=2) for r in (0, 1)]
+    rounds = [rnd for p in plans for rnd in p.kv_source(None).rounds if rnd.ranges.num_rows]
+    ranges = next(rnd.ranges for rnd in rounds if not rnd.ranges.bottom_right)
+    q, k, v, d_out, d_lse = _round_inputs(ranges.num_keys, torch.bfloat16, num_queries=ranges.lo.numel())
+    kernel = StandInVarlen()
+    backend, reference = CUDABackend(kernel), ReferenceBackend()
+    got = _grads(lambda q, k, v, s: backend.range_attention(q, k, v, ranges, scale=0.3), q, k, v, None, d_out, d_lse)
+    want = _grads(lambda q, k, v, s: reference.range_attention(q, k, v, ranges, scale=0.3), q, k, v, None, d_out, d_lse)
+    assert kernel.calls == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

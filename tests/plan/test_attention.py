@@ -78,8 +78,8 @@ def test_plan_options_are_checked() -> None:
         plan_attention(cu, 2, 0, exchange="ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ring_degree"):
         plan_attention(cu, 2, 0, ring_degree=2)
-    with pytest.raises(ValueError, match="zigzag"):
-        plan_attention(cu, 2, 0, layout="zigzag", exchange="need")
+    with pytest.raises(ValueError, match="divisible by 2"):  # zigzag lengths, under either exchange
+        plan_attention(torch.tensor([0, 6, 16]), 2, 0, layout="zigzag", exchange="need")
     with pytest.raises(ValueError, match="window"):
         plan_attention(cu, 2, 0, exchange="need", windows=[16]).kv_source(32)
 
@@ -113,7 +113,9 @@ def test_zigzag_tnd_plan_reads_each_chunk_prefix(cp: int) -> None:
         plan = plan_attention(cu, cp, rank, layout="zigzag", compress_ratios=[4])
         seg = plan.segments
         local = zigzag_tnd_index(cu, cp, rank)
-        starts = torch.tensor([0, 0, 24, 24])  # document start of each segment (empty doc skipped)
+        # Document start of each segment: two chunks per document (empty doc skipped), one on the
+        # middle rank, whose chunks r and 2cp-1-r touch (joined into one range).
+        starts = torch.tensor([0, 24]).repeat_interleave(1 if rank == cp - 1 else 2)
         # Positions are document positions of the local tokens; kv rows are the causal prefixes.
         assert torch.equal(seg.q_positions, local - starts.repeat_interleave(seg.cu_seqlens_q.diff().long()))
         assert plan.gather_rows is not None

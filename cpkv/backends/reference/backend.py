@@ -53,13 +53,13 @@ class ReferenceBackend:
         """Segment attention: q ``[T_q, H, D]``, k ``[T_kv, H_kv, D]``, v ``[T_kv, H_kv, D_v]``.
 
         Row ``t`` sees kv rows ``[max(doc_row, own_row + 1 - window), own_row]`` of its
-        document (``segments.q_doc_rows`` clamped at 0, ``segments.q_kv_rows``).
+        segment (``segments.q_first_rows``, ``segments.q_kv_rows``).
 
         Returns:
             ``AttentionResult(out [T_q, H, D_v] dtype of q, lse [T_q, H] fp32/fp64)``.
         """
         hi = segments.q_kv_rows.to(q.device, torch.int64) + 1
-        lo = segments.q_doc_rows.to(q.device, torch.int64).clamp(min=0)
+        lo = segments.q_first_rows.to(q.device, torch.int64)
         if window is not None:
             lo = torch.maximum(lo, hi - window)
         out, lse = range_attention_op(q, k, v, lo, hi, sinks, scale, self.block_size)
