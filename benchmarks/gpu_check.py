@@ -24,7 +24,15 @@ repository root is put on ``sys.path``; no network). One GPU, about 5 minutes at
    H=64, D=512, d_v=512, K=640 (128 window + 512 selected), sinks, bf16, 8K and 32K
    queries: correctness against the reference ops (same 2x rule), deterministic dkv
    bitwise, forward/backward ms and TFLOP/s over the gathered rows, speed-up over the
-   reference ops, the indexer top-k time. ``--v4-flash-only`` runs just this section.
+   reference ops, the indexer top-k time.
+4. The V4 sparse grid (benchmarks/v4_sparse_section.py): H 64 (V4-Flash) and 128 (V4-Pro),
+   K 640 and 2048, T 8K and 32K: bf16 correctness (atomic and deterministic dkv) against
+   fp64 by the same 2x rule, deterministic bitwise, forward and backward (atomic and
+   deterministic) ms and counted TFLOP/s, deterministic/atomic, fwd+bwd against the
+   reference ops at 8K. ``--v4-flash-only`` runs sections 3 and 4 only.
+
+Triton's launcher compiles a small C module at the first kernel call: the script checks for
+a C compiler (``cc``/``gcc``/``clang`` on PATH, or ``$CC``) first and exits 2 without one.
 
 Prints markdown tables; writes them to ``$OUT/gpu_check.md`` when ``OUT`` is set. Exits 1 on
 a correctness failure, 2 without a GPU.
@@ -56,6 +64,7 @@ from cpkv.backends.cuda import CUDABackend  # noqa: E402
 from cpkv.v4 import V4Config  # noqa: E402
 from device_common import compare, run_layer, visible_pairs  # noqa: E402
 import v4_flash_section  # noqa: E402
+import v4_sparse_section  # noqa: E402
 
 CASES = {
     "window": V4Config(hidden=256, heads=8, head_dim=128, rope_dim=32, window=64),
@@ -151,6 +160,15 @@ def bench_one(local: int, rank: int, heads: int, window: int | None, reps: int, 
                       f"| {tflops[f'bare {p}']:.0f} / {tflops[f'cpkv {p}']:.0f} " for p in ("fwd", "fwd_bwd")) + "|")
 
 
+def c_compiler() -> str | None:
+    """The C compiler Triton's launcher would use (``$CC``, else cc/gcc/clang on PATH), or None."""
+    import shutil
+
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return next((path for path in map(shutil.which, ("cc", "gcc", "clang")) if path), None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two smallest benchmark shapes, 2 repetitions")
@@ -160,6 +178,9 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
+        return 2
+    if c_compiler() is None:
+        print("gpu_check: no C compiler (cc, gcc or clang on PATH, or $CC): Triton's launcher needs one", file=sys.stderr)
         return 2
     started, device = time.monotonic(), torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -176,6 +197,9 @@ def main() -> int:
                 flash_rows += v4_flash_section.bench(num_q, device, 2 if args.quick else args.reps, with_reference=True)
                 print("\n".join(flash_rows[-5:]), flush=True)
             ok &= flash_ok
+            grid_rows, grid_ok = v4_sparse_section.run(device, 2 if args.quick else args.reps)
+            print(f"V4 sparse grid correctness: {'PASS' if grid_ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
+            ok &= grid_ok
         finally:
             dist.destroy_process_group()
     header = (f"# cpkv gpu_check\n\n{datetime.date.today()} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
@@ -183,7 +207,9 @@ def main() -> int:
     text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
                       "\n## Varlen attention as attention_forward calls it vs bare varlen_attn (bf16, D=128, MQA)\n", *bench,
                       "\n## DeepSeek-V4-Flash sparse attention (Triton; H=64, D=d_v=512, K=640, sinks, bf16)\n",
-                      *v4_flash_section.HEADER, *flash_rows, "", v4_flash_section.cudnn_note(), ""])
+                      *v4_flash_section.HEADER, *flash_rows, "", v4_flash_section.cudnn_note(), "",
+                      "\n## V4 sparse attention grid (Triton; H 64/128, D=d_v=512, K 640/2048, sinks, bf16)\n",
+                      *v4_sparse_section.HEADER, *grid_rows, ""])
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.md").write_text(text)

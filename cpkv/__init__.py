@@ -13,8 +13,9 @@ Pure, typed functions over tensors and explicit process groups:
 * collectives: :func:`gather_from_sp_cp`, :func:`global_num_seqs`,
   :func:`all_gather_qk_weight_kvallgather`;
 * DeepSeek-V4 compression modes: :class:`LayerCompressMode`, :func:`effective_cmp_ratio`;
-* layouts: :func:`balanced_layout` cuts documents so that a DeepSeek-V4 :class:`CostModel`
-  is equal on every rank (:func:`rank_costs`);
+* layouts: every layout is a :class:`ShardLayout` (each rank's token ranges;
+  :func:`layout_from_ranges` for your own); :func:`balanced_layout` cuts documents so that a
+  DeepSeek-V4 :class:`CostModel` is equal on every rank (:func:`rank_costs`);
 * the pipeline: :func:`plan_attention` (layout, exchange, ring rounds, compress ratios and
   windows: the whole description of a micro-batch) and its one executor :func:`attention_forward`;
 * :func:`exchange_rows` (need-exchange routes), :func:`merge_partials` and
@@ -55,12 +56,14 @@ from cpkv.plan import (
     PrefixKVPlan,
     Routes,
     SegmentPlan,
+    ShardLayout,
     actual_seq_len_to_cu_seqlens,
     balanced_layout,
     bsnd_cu_seqlens,
     compress_cu_seqlens,
     compute_prefix_kv_cu_seqlens,
     cu_seqlens_to_actual_seq_len,
+    layout_from_ranges,
     pad_documents,
     plan_attention,
     plan_segments,
@@ -112,6 +115,7 @@ __all__ = [
     "PrefixKVPlan",
     "Routes",
     "SegmentPlan",
+    "ShardLayout",
     "actual_seq_len_to_cu_seqlens",
     "all_gather_qk_weight_kvallgather",
     "attention_forward",
@@ -127,6 +131,7 @@ __all__ = [
     "exchange_rows",
     "gather_from_sp_cp",
     "global_num_seqs",
+    "layout_from_ranges",
     "merge_partials",
     "pad_documents",
     "permute_cp_shard",

@@ -38,6 +38,8 @@ OUTPUT = ROOT / "docs" / "api.md"
 MODULE_ORDER = [
     "cpkv.plan.conventions",
     "cpkv.plan.sharding",
+    "cpkv.plan.layouts",
+    "cpkv.plan.balance",
     "cpkv.plan.prefix",
     "cpkv.plan.segments",
     "cpkv.plan.routes",
@@ -59,7 +61,8 @@ ALIAS_MODULES = {
 }
 # Public modules documented as a whole (their __all__) or by the listed names.
 EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
-    ("cpkv.plan", ["KVSource", "RingRound", "CompressedRoutes", "plan_routes"]),
+    ("cpkv.plan", ["KVSource", "RingRound", "CompressedRoutes", "plan_routes", "contiguous_layout", "zigzag_layout"]),
+    ("cpkv.plan.need", None),
     ("cpkv.v4", None),
     ("cpkv.backends", None),
     ("cpkv.backends.reference", None),

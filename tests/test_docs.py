@@ -190,7 +190,7 @@ ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, lambda: AttentionSpec(d_v=8, compress_ratio=4, window=None).validate()),
     (ValueError, lambda: check_zigzag_tnd_lengths(CU, 4)),
     (ValueError, lambda: plan_attention(CU, 4, 0, ring_degree=2)),
-    (ValueError, lambda: plan_attention(torch.tensor([0, 8, 16]), 2, 0, layout="zigzag", exchange="need")),
+    (ValueError, lambda: plan_attention(torch.tensor([0, 4, 10]), 4, 0)),
     (ValueError, lambda: plan_attention(CU, 4, 0, layout="bsnd")),  # type: ignore[arg-type]
     (TypeError, lambda: _forward(8, CU)),
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, exchange="need")))),

@@ -1,5 +1,8 @@
 """``python -m cpkv.bench``: bytes per rank, planning time and wall time, in one run.
 
+``python -m cpkv.bench kernels``: the Triton sparse kernels' executed FLOPs and bytes per
+query row against the counted ones (:mod:`cpkv.bench.kernel_work`).
+
 Writes ``docs/benchmarks.md`` and ``docs/benchmarks.png`` (``--out``, ``--plot``) and
 prints the same tables. ``--smoke`` runs tiny sizes (used by the tests).
 ``python -m cpkv.bench layouts [...]`` runs :mod:`cpkv.bench.layouts` instead (its section of
@@ -380,14 +383,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def kernels_main(argv: list[str]) -> int:
+    """``python -m cpkv.bench kernels``: the Triton kernels' executed-work model at the V4 shapes (needs triton)."""
+    from cpkv.backends.triton.launches import v4_cases
+    from cpkv.backends.triton.ops import aot_launches
+    from cpkv.bench.kernel_work import work_lines
+
+    parser = argparse.ArgumentParser(prog="python -m cpkv.bench kernels", description=kernels_main.__doc__)
+    parser.parse_args(argv)
+    for case in v4_cases():
+        print("\n".join(work_lines(case, aot_launches(case))) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success.
 
-    ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest.
+    ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
+    prints the Triton kernels' executed-work model instead.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
         return layouts.main(argv[1:])
+    if argv[:1] == ["kernels"]:
+        return kernels_main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())

@@ -169,19 +169,24 @@ class AttentionPlan:
         return self.kv[window]
 
 
-def _full_prefix(layout: ShardLayout, rank: int, ratios: Sequence[int], gather_len: int) -> tuple[SegmentPlan, Tensor]:
-    """Segments of the rank's ranges over their documents' full prefixes, and each buffer row's all-gather row.
-
-    The all-gather is rank-major with ``gather_len`` rows per rank; a prefix that two ranges of
-    one document share appears once per range.
-    """
+def _full_prefix(layout: ShardLayout, rank: int, ratios: Sequence[int]) -> SegmentPlan:
+    """Segments of the rank's ranges over their documents' full prefixes (the all-gather's buffer)."""
     starts, ends = layout.ranges_of(rank)
-    mine = slice(int(layout.offsets[rank]), int(layout.offsets[rank + 1]))
-    doc_start = layout.cu_seqlens.index_select(0, layout.documents[mine])
+    doc_start = layout.cu_seqlens.index_select(0, layout.documents[int(layout.offsets[rank]):int(layout.offsets[rank + 1])])
     zero = torch.zeros(1, dtype=torch.int64)
     cu_q, cu_kv = torch.cat([zero, torch.cumsum(ends - starts, 0)]), torch.cat([zero, torch.cumsum(ends - doc_start, 0)])
+    return plan_segments(cu_q, cu_kv, compress_ratios=ratios)
+
+
+def _gather_rows(layout: ShardLayout, rank: int, gather_len: int) -> Tensor:
+    """``[sum Lkv]`` int64: each full-prefix buffer row's row in the rank-major all-gather (``gather_len`` rows per rank).
+
+    A prefix that two ranges of one document share appears once per range.
+    """
+    starts, ends = layout.ranges_of(rank)
+    doc_start = layout.cu_seqlens.index_select(0, layout.documents[int(layout.offsets[rank]):int(layout.offsets[rank + 1])])
     owner, local = token_partition(layout).locate(expand_ranges(doc_start, ends))
-    return plan_segments(cu_q, cu_kv, compress_ratios=ratios), owner * gather_len + local
+    return owner * gather_len + local
 
 
 def shard_layout(
@@ -370,13 +375,14 @@ def _build_plan(
         prefix = compute_prefix_kv_cu_seqlens(cu_seqlens, cp_rank * local_len, local_len)
         segments = plan_segments(prefix.cu_seqlens_q, prefix.cu_seqlens_kv, compress_ratios=ratios)
     else:
-        segments, rows = _full_prefix(shards, cp_rank, ratios, gather_len)
-        segments, rows = _to_device(segments, device), rows.to(device)
+        segments = _to_device(_full_prefix(shards, cp_rank, ratios), device)
+        rows = _gather_rows(shards, cp_rank, gather_len).to(device) if exchange == "allgather" else None
     kv: dict[int | None, KVSource] = {None: KVSource(None, 0, segments, ())}
     if exchange == "need":
-        rows, parts = None, token_partition(shards)
+        parts = token_partition(shards)
         kv = {w: _on(kv_need(shards, parts, cp_rank, w, ring_degree, device), device) for w in planned_windows or (None,)}
-        compressed = {r: compressed_need(shards, parts, cp_rank, r, reach[r], device) for r in ratios}
+        positions = segments.q_positions.cpu()
+        compressed = {r: compressed_need(shards, parts, cp_rank, r, reach[r], positions, device) for r in ratios}
     valid, num_real = None, num_tokens
     if real_lengths is not None:
         valid = _valid_rows(shards, real_lengths, cp_rank).to(device)

@@ -99,7 +99,7 @@ def _pieces(lo: Tensor, hi: Tensor, dst: Tensor, parts: Partition, *, self_route
     """Cut every needed ``[lo, hi)`` (non-empty) at the partition's part boundaries."""
     first = torch.searchsorted(parts.ends, lo, right=True)
     last = torch.searchsorted(parts.ends, hi - 1, right=True)
-    counts = last - first + 1
+    counts = (last - first + 1).clamp(min=0)  # an empty interval has no piece
     total = int(counts.sum()) if counts.numel() else 0
     seg = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
     part = first.index_select(0, seg) + torch.arange(total) - (torch.cumsum(counts, 0) - counts).index_select(0, seg)
@@ -147,16 +147,22 @@ def _route(pieces: _Pieces, rank: int, cp_size: int, device: torch.device, span:
     return _Received(routes, r_lo, r_hi, torch.cumsum(r_hi - r_lo, 0) - (r_hi - r_lo))
 
 
-def _gather_index(index: Tensor, parts: Partition, received: _Received, rank: int) -> Tensor | None:
-    """Row of ``[received ; own]`` holding each ``index`` (own: at ``num_recv +`` local row); ``None`` if the identity."""
-    owner, local = parts.locate(index)
-    own = owner == rank
-    rows = torch.where(own, local + received.routes.num_recv, 0)
-    if bool((~own).any()):
-        rows[~own] = received.position(index[~own])
-    if torch.equal(rows, torch.arange(rows.numel())):
+def _gather_index(lo: Tensor, hi: Tensor, parts: Partition, received: _Received, rank: int) -> Tensor | None:
+    """Rows of ``[received ; own]`` forming the buffer ``[lo_0, hi_0) ++ [lo_1, hi_1) ++ ...``; ``None`` if the identity.
+
+    Planned per piece (an interval cut at the partition's parts), expanded to rows only when the
+    buffer is not ``[received ; own]`` itself: a piece the rank holds is a run of its local rows, a
+    piece from another rank a run of one received piece.
+    """
+    pieces = _pieces(lo, hi, torch.zeros_like(lo), parts, self_routes=True)
+    size = pieces.hi - pieces.lo
+    start = torch.where(pieces.src == rank, pieces.row + received.routes.num_recv, 0)
+    remote = pieces.src != rank
+    if bool(remote.any()):
+        start[remote] = received.position(pieces.lo[remote])
+    if bool((start == torch.cumsum(size, 0) - size).all()):
         return None
-    return rows
+    return expand_ranges(start, start + size)
 
 
 def _segments(layout: ShardLayout, rank: int, lo: Tensor) -> SegmentPlan:
@@ -185,7 +191,7 @@ def kv_need(
     if ring_degree == 1:
         n_lo, n_hi, n_dst = union(lo, layout.starts, layout.ranks)
         received = _route(_pieces(n_lo, n_hi, n_dst, parts, self_routes=False), rank, layout.cp_size, device, span)
-        rows = _gather_index(expand_ranges(lo[mine], layout.ends[mine]), parts, received, rank)
+        rows = _gather_index(lo[mine], layout.ends[mine], parts, received, rank)
         segments = _segments(layout, rank, lo[mine])
         offset = int(lo[mine][0] - layout.cu_seqlens[layout.documents[mine][0]]) if segments.num_queries else 0
         return KVSource(received.routes, offset, segments, (), None if rows is None else rows.to(device))
@@ -276,9 +282,12 @@ def _key_ranges(lo: Tensor, hi: Tensor, num_keys: int, window: int | None, first
 
 
 def compressed_need(
-    layout: ShardLayout, parts: Partition, rank: int, ratio: int, prev_blocks: int, device: torch.device,
+    layout: ShardLayout, parts: Partition, rank: int, ratio: int, prev_blocks: int, positions: Tensor, device: torch.device,
 ) -> CompressedRoutes:
-    """The compressor-input halo, the owned blocks, the entry routes and the entry buffer of ``rank`` at ``ratio``."""
+    """The compressor-input halo, the owned blocks, the entry routes and the entry buffer of ``rank`` at ``ratio``.
+
+    ``positions``: ``[L_r]`` int64 (CPU) document position of each local token.
+    """
     cu, m, p = layout.cu_seqlens, ratio, prev_blocks
     doc_start = cu.index_select(0, layout.documents)
     cu_cmp = compress_cu_seqlens(cu, m).cu_seqlens.long()
@@ -311,7 +320,7 @@ def compressed_need(
     entries = _route(_pieces(e_lo, e_hi, e_dst, entry_parts, self_routes=False), rank, layout.cp_size, device, span)
     mine = slice(int(layout.offsets[rank]), int(layout.offsets[rank + 1]))
     return _compressed_routes(layout, parts, entry_parts, rank, mine, m, hidden, entries, cu_cmp,
-                              (read_lo, read_hi, j_lo, n_straddle, j_hi), device)
+                              (read_lo, read_hi, j_lo, n_straddle, j_hi), positions, device)
 
 
 def _within_rank(counts: Tensor, layout: ShardLayout) -> Tensor:
@@ -324,7 +333,7 @@ def _within_rank(counts: Tensor, layout: ShardLayout) -> Tensor:
 
 def _compressed_routes(
     layout: ShardLayout, parts: Partition, entry_parts: Partition, rank: int, mine: slice, m: int, hidden: _Received,
-    entries: _Received, cu_cmp: Tensor, blocks: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+    entries: _Received, cu_cmp: Tensor, blocks: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], positions: Tensor,
     device: torch.device,
 ) -> CompressedRoutes:
     """Assemble one rank's :class:`CompressedRoutes` from the global routing of one ratio."""
@@ -361,8 +370,8 @@ def _compressed_routes(
     docs, doc_of_range = torch.unique_consecutive(layout.documents[mine], return_inverse=True)
     per_doc = torch.zeros(docs.numel(), dtype=torch.int64).scatter_reduce_(0, doc_of_range, j_hi, "amax", include_self=False)
     first = cu_cmp.index_select(0, docs)
-    entry_rows = _gather_index(expand_ranges(first, first + per_doc), entry_parts, entries, rank)
-    visible = _visibility(layout, rank, m, per_doc, doc_of_range, device)
+    entry_rows = _gather_index(first, first + per_doc, entry_parts, entries, rank)
+    visible = _visibility(layout, rank, m, per_doc, doc_of_range, positions, device)
     return CompressedRoutes(
         hidden=hidden.routes, straddle=plan(s_starts, sj), straddle_rows=int(picks.numel()), own=plan(o_starts, oj),
         entries=entries.routes, straddle_own=straddle_own, straddle_order=straddle_order,
@@ -370,18 +379,16 @@ def _compressed_routes(
     )
 
 
-def _visibility(layout: ShardLayout, rank: int, m: int, per_doc: Tensor, doc_of_range: Tensor, device: torch.device) -> EntryVisibility:
-    """Entries each local query sees in the rank's entry buffer (its documents' entries, in order)."""
-    mine = slice(int(layout.offsets[rank]), int(layout.offsets[rank + 1]))
+def _visibility(
+    layout: ShardLayout, rank: int, m: int, per_doc: Tensor, doc_of_range: Tensor, positions: Tensor, device: torch.device
+) -> EntryVisibility:
+    """Entries each local query (document ``positions``) sees in the rank's entry buffer (its documents' entries, in order)."""
     starts, ends = layout.ranges_of(rank)
-    tokens = expand_ranges(starts, ends)
-    seg = torch.repeat_interleave(torch.arange(starts.numel()), ends - starts, output_size=tokens.numel())
-    doc_start = layout.cu_seqlens.index_select(0, layout.documents[mine]).index_select(0, seg)
-    count = torch.div(tokens - doc_start + 1, m, rounding_mode="floor")
     first = torch.cumsum(per_doc, 0) - per_doc
+    count = torch.div(positions + 1, m, rounding_mode="floor")
+    visible_start = torch.repeat_interleave(first.index_select(0, doc_of_range), ends - starts, output_size=positions.numel())
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_doc, 0)])
     return EntryVisibility(
-        ratio=m, cu_seqlens=cu.to(device=device, dtype=torch.int32),
-        visible_start=first.index_select(0, doc_of_range.index_select(0, seg)).to(device), visible_count=count.to(device),
-        num_entries=int(per_doc.sum()), max_visible=int(count.max()) if count.numel() else 0,
+        ratio=m, cu_seqlens=cu.to(device=device, dtype=torch.int32), visible_start=visible_start.to(device),
+        visible_count=count.to(device), num_entries=int(per_doc.sum()), max_visible=int(count.max()) if count.numel() else 0,
     )

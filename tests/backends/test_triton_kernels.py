@@ -65,6 +65,7 @@ def _run(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, d_v: int, det
 
 CASES = [  # (T, H, D, d_v, N, K)
     (6, 3, 40, 24, 9, 7),
+    (5, 20, 40, 24, 9, 70),  # two head blocks (16 a program on CPU), padded heads; two K steps (64 each)
     (4, 4, 512, 512, 6, 5),  # DeepSeek-V4's shared kv dim
     (3, 2, 576, 512, 5, 4),  # MLA-style: 512 values + 64 rope channels
 ]
@@ -87,18 +88,22 @@ def test_sparse_attention_matches_reference(case: tuple[int, ...], with_sinks: b
             _close(g, w, 1e-4)
 
 
-def test_deterministic_dkv_is_bitwise_reproducible() -> None:
+def test_deterministic_dkv_is_bitwise_reproducible_and_matches_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three chunks of query rows (5 rows each), two head blocks, many repeats of each kv row."""
+    monkeypatch.setattr(ops, "_partial_rows", lambda num_q, blocks, width, dim, device: 5)
     gen = torch.Generator().manual_seed(3)
-    q, kv = torch.randn(8, 4, 64, generator=gen), torch.randn(5, 64, generator=gen)
-    idx = torch.randint(-1, 5, (8, 12), generator=gen)  # many repeats of each row: long sums
-    sinks = torch.randn(4, generator=gen)
+    q, kv = torch.randn(12, 20, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    idx = torch.randint(-1, 5, (12, 12), generator=gen)  # every kv row listed ~24 times: long sums
+    sinks = torch.randn(20, generator=gen)
     first = _run(q, kv, idx, sinks, 32, True, triton=True)
     second = _run(q, kv, idx, sinks, 32, True, triton=True)
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
+    atomic = _run(q, kv, idx, sinks, 32, False, triton=True)
     want = _run(q, kv, idx, sinks, 32, False, triton=False)
-    for g, w in zip(first[2], want[2]):
+    for g, a, w in zip(first[2], atomic[2], want[2]):
         _close(g, w, 1e-4)
+        _close(g, a, 1e-5)  # same terms, other summation order: fp32 rounding only
 
 
 def test_empty_lists_and_no_queries() -> None:

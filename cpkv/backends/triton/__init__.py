@@ -4,12 +4,12 @@
 they are also usable directly as ``torch.library`` custom ops (:mod:`cpkv.backends.triton.ops`):
 
 * ``sparse_attention_op(q, kv, indices, sinks, scale, d_v, deterministic)`` -> ``(out, lse)``:
-  q ``[T, H, D]`` (any D; D = 512/576 split over channel chunks) over the listed rows
+  q ``[T, H, D]`` (any D; the value channels and the rest are two resident tiles) over the listed rows
   ``indices`` ``[T, K]`` (-1 padded) of one shared kv head ``[N, D]`` whose first ``d_v``
   channels are the values, per-head sinks, natural-log LSE including the sink; forward
-  and backward (dq, dkv, dsinks, also through the LSE). ``deterministic=True`` computes
-  dkv by a key-major pass over an inverted index instead of fp32 atomics (bitwise
-  reproducible).
+  and backward (dq, dkv, dsinks, also through the LSE). ``deterministic=True`` sums dkv
+  in a fixed order (each entry's terms stored, then a key-major pass over an inverted
+  index) instead of fp32 atomics: bitwise reproducible.
 * ``selected_probs_op(q, kv, indices, lse, scale)`` -> ``[T, K]``: head-summed probabilities
   from that LSE (the indexer KL target before normalisation).
 * ``indexer_topk_op(q, k, weights, start, end, topk, block_size)`` -> ``(indices, scores)``:

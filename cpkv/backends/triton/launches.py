@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AOTCase", "KernelLaunch"]
+__all__ = ["AOTCase", "KernelLaunch", "v4_cases"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,3 +70,20 @@ class AOTCase:
     index_dim: int
     index_topk: int
     index_rows: int
+
+
+def v4_cases(tokens: int = 8192, kv_rows: int = 2048) -> list[AOTCase]:
+    """DeepSeek-V4-Flash and V4-Pro attention shapes, each in bf16 and fp32 (``tokens``, ``kv_rows``: any positive sizes).
+
+    V4-Flash: 64 heads of dim 512 (values = the first 512 channels), K = index top-k 512 +
+    sliding window 128 = 640; indexer 64 heads x 128 (transformers' ``DeepseekV4Config``
+    defaults). V4-Pro: 128 heads of dim 512 (transformers' modeling docstring), K = index top-k
+    1024 (DeepSeek's V4-Pro config) + window 128 = 1152.
+    """
+    cases = []
+    for model, heads, topk in (("V4-Flash", 64, 512), ("V4-Pro", 128, 1024)):
+        for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            cases.append(AOTCase(f"{model} {label}", dtype, tokens=tokens, kv_rows=kv_rows, heads=heads, dim=512,
+                                 d_v=512, topk=topk + 128, index_heads=64, index_dim=128, index_topk=topk,
+                                 index_rows=kv_rows))
+    return cases

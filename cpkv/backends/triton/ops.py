@@ -19,9 +19,15 @@ Inputs: fp16, bf16 or fp32 (fp32 accumulation; fp32 dot products run in IEEE pre
 TF32), on a CUDA device, or on CPU when the kernels were imported under ``TRITON_INTERPRET=1``.
 
 dkv: by default the backward accumulates it with fp32 atomics from query-major programs
-(the summation order varies run to run). With ``deterministic=True`` the query-major pass
-skips dkv and a key-major pass over an inverted index (``kv`` row -> the query rows listing
-it, in (t, k) order) sums each row's terms in a fixed order: bitwise reproducible, slower.
+(the summation order varies run to run). With ``deterministic=True`` the same query-major
+kernel stores each entry's dkv terms (``[T * K, D]`` fp32, per chunk of query rows within a
+2 GiB budget) instead, and a key-major pass over an inverted index (``kv`` row -> the
+entries listing it, in (t, k) order) sums them in a fixed order: bitwise reproducible, the
+same tensor-core FLOPs, plus a write and a read of those terms.
+
+Launches: every kernel launch is a :class:`~cpkv.backends.triton.launches.KernelLaunch`
+built by a function of the op's tensors; :func:`aot_launches` calls the same functions on
+``meta`` tensors for the sm_90a compile report (``benchmarks/compile_report.py``).
 
 Shapes legend: ``T`` query tokens, ``H`` query heads, ``D`` query/key dim, ``d_v`` value dim
 (the first ``d_v`` channels of kv), ``N`` kv rows, ``K`` entries per query row, ``H_I``,
@@ -31,39 +37,65 @@ Shapes legend: ``T`` query tokens, ``H`` query heads, ``D`` query/key dim, ``d_v
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["indexer_topk_op", "selected_probs_op", "sparse_attention_backward_op", "sparse_attention_op"]
+from cpkv.backends.triton.launches import AOTCase, KernelLaunch
+
+__all__ = [
+    "aot_launches", "indexer_topk_op", "inverted_index", "selected_probs_op", "sparse_attention_backward_op",
+    "sparse_attention_op",
+]
 
 NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
-class _Blocks:
-    """Tile sizes of one launch (powers of two, at least 16 where they feed ``tl.dot``)."""
+class _Tiles:
+    """Tile sizes and launch options of one sparse kernel (powers of two, at least 16 where they feed ``tl.dot``).
+
+    ``h`` heads, ``k`` entries per step, ``v`` value channels (``>= d_v``), ``r`` the channels
+    after the values (``>= D - d_v``; unused when ``D == d_v``), ``c`` the dkv column chunk.
+    """
 
     h: int
     k: int
-    d: int
-    dv: int
-    dc: int
+    v: int
+    r: int
+    c: int
     warps: int
+    stages: int
 
 
 def _pow2(n: int, low: int = 16) -> int:
     return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def _blocks(q: Tensor, d_v: int) -> _Blocks:
-    """GPU tiles (registers bound the fp32 accumulators), or whole-dim tiles for the CPU interpreter (fewer steps)."""
+def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
+    """The tiles of ``kernel`` (``"fwd"``, ``"bwd"``, ``"probs"``) for q's shape, dtype and device.
+
+    GPU (Hopper): 64 heads per program (V4-Flash's 64 in one, V4-Pro's 128 in two), the
+    ``[64, 512]`` fp32 accumulator over 8 warps (two warpgroups, 128 registers a thread), kv
+    tiles of 64 entries (forward) or 32 (backward: dq's accumulator and the dkv chunk share
+    the registers). fp32 (IEEE, no tensor cores) takes smaller tiles. On CPU (the interpreter:
+    numpy per tile op) tiles are as large as the shapes, so there are few steps.
+    """
     heads, dim = q.shape[1], q.shape[2]
-    if q.device.type == "cpu":  # TRITON_INTERPRET=1: numpy per tile op, so big tiles are fast
-        return _Blocks(_pow2(heads), 64, _pow2(dim), _pow2(d_v), _pow2(dim), 4)
-    return _Blocks(min(64, _pow2(heads)), 32, 64, min(256, _pow2(d_v)), min(128, _pow2(dim)), 8)
+    v, r = _pow2(d_v), _pow2(dim - d_v)
+    if q.device.type == "cpu":
+        return _Tiles(min(16, _pow2(heads)), 64, v, r, _pow2(dim), 4, 1)
+    h = min(64, _pow2(heads))
+    if q.dtype == torch.float32:
+        if kernel == "bwd":
+            return _Tiles(min(16, h), 16, v, r, 16, 4, 1)
+        return _Tiles(min(16, h), 16, v, r, 32, 8, 1)
+    if kernel == "bwd":
+        return _Tiles(h, 32, v, r, 64, 8, 1)
+    return _Tiles(h, 64, v, r, 64, 8, 2)
 
 
 def _prec(q: Tensor) -> str:
@@ -76,25 +108,77 @@ def _kernels() -> Any:
     return kernels
 
 
-def _launch_fwd(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+def _channel_constexprs(b: _Tiles, dim: int, d_v: int, q: Tensor) -> dict[str, Any]:
+    return {"D": dim, "DV": d_v, "HAS_REST": dim > d_v, "BLOCK_H": b.h, "BLOCK_K": b.k, "BLOCK_V": b.v,
+            "BLOCK_R": b.r, "PREC": _prec(q)}
+
+
+def _gluon_fits(q: Tensor, d_v: int) -> bool:
+    """Whether the Gluon forward serves q (not CPU, bf16/fp16, ``D == d_v`` a power of two in [64, 512])."""
+    dim = q.shape[2]
+    return (q.device.type != "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dim == d_v
+            and 64 <= dim <= 512 and dim & (dim - 1) == 0)
+
+
+def _gluon_enabled() -> bool:
+    """``CPKV_TRITON_GLUON=1`` opts the CUDA forward into the Gluon kernel (read at each call)."""
+    return os.environ.get("CPKV_TRITON_GLUON", "0") == "1"
+
+
+def _fwd_gluon_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
+                      scale: float) -> KernelLaunch:
+    """The Gluon forward (:mod:`cpkv.backends.triton.gluon_kernels`): 64 heads, 64 entries a step, 8 warps."""
+    from cpkv.backends.triton import gluon_kernels  # lazy, like the Triton kernels
+
     (num_q, heads, dim), width = q.shape, idx.shape[1]
+    block_h, block_k, warps = 64, 64, 8
+    return KernelLaunch(
+        "sparse_fwd_gluon", gluon_kernels.sparse_fwd_gluon_kernel, (num_q, triton_cdiv(heads, block_h)),
+        (q, kv, idx, sinks if sinks is not None else lse, out, lse,
+         kv.shape[0], heads, width,
+         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+         scale),
+        {"D": dim, "HAS_SINK": sinks is not None, "BLOCK_H": block_h, "BLOCK_K": block_k,
+         "S_N": block_k // (warps // 4), "O_N": min(256, dim // (warps // 4))}, warps, 1,
+    )
+
+
+def _fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor, scale: float,
+                d_v: int) -> KernelLaunch:
+    """The forward's one launch: grid (T, cdiv(H, BLOCK_H)), writing ``out`` and ``lse``.
+
+    The Gluon twin where it fits and ``CPKV_TRITON_GLUON=1``; else the plain-Triton kernel.
+    """
+    if _gluon_enabled() and _gluon_fits(q, d_v):
+        return _fwd_gluon_launch(q, kv, idx, sinks, out, lse, scale)
+    return _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+
+
+def _plain_fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
+                      scale: float, d_v: int) -> KernelLaunch:
+    """The plain-Triton forward (:func:`~cpkv.backends.triton.kernels.sparse_fwd_kernel`)."""
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    b = _tiles("fwd", q, d_v)
+    return KernelLaunch(
+        "sparse_fwd", _kernels().sparse_fwd_kernel, (num_q, triton_cdiv(heads, b.h)),
+        (q, kv, idx, sinks if sinks is not None else lse, out, lse,
+         kv.shape[0], heads, width,
+         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+         scale),
+        {**_channel_constexprs(b, dim, d_v, q), "HAS_SINK": sinks is not None}, b.warps, b.stages,
+    )
+
+
+def _launch_fwd(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+    num_q, heads = q.shape[:2]
     out = q.new_zeros((num_q, heads, d_v))
     if sinks is None:
         lse = q.new_full((num_q, heads), NEG_INF, dtype=torch.float32)
     else:
         lse = sinks.to(torch.float32).expand(num_q, heads).contiguous()
-    if num_q == 0 or width == 0:
+    if num_q == 0 or idx.shape[1] == 0:
         return out, lse
-    b = _blocks(q, d_v)
-    grid = (num_q, triton_cdiv(heads, b.h), triton_cdiv(d_v, b.dv))
-    _kernels().sparse_fwd_kernel[grid](
-        q, kv, idx, sinks if sinks is not None else lse, out, lse,
-        kv.shape[0], heads, dim, d_v, width,
-        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-        scale,
-        HAS_SINK=sinks is not None, BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, BLOCK_DV=b.dv, PREC=_prec(q),
-        num_warps=b.warps,
-    )
+    _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)()
     return out, lse
 
 
@@ -149,47 +233,87 @@ def inverted_index(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     ``pair_t[:row_ptr[N]]`` lists the valid entries (duplicates included); padding sorts after.
     A stable sort keeps each row's pairs in (t, k) order, so the key-major pass is deterministic.
     """
+    pairs, row_ptr = _inverted_pairs(indices, num_rows)
+    return (pairs // max(indices.shape[1], 1)).to(torch.int32), row_ptr
+
+
+def _inverted_pairs(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """:func:`inverted_index` with flat entry positions ``t * K + k`` instead of query rows (the reduce reads them)."""
     flat = indices.reshape(-1).long()
     key = torch.where((flat < 0) | (flat >= num_rows), num_rows, flat)
     order = torch.sort(key, stable=True).indices
     counts = torch.bincount(key, minlength=num_rows + 1)[:num_rows]
     row_ptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    pair_t = (order // max(indices.shape[1], 1)).to(torch.int32)
-    return pair_t, row_ptr
+    return order.to(torch.int32), row_ptr
+
+
+def _bwd_launch(
+    d_out: Tensor, q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, target: Tensor,
+    scale: float, d_v: int, atomic: bool,
+) -> KernelLaunch:
+    """The query-major backward launch: dq, and dkv atomics (``atomic``) or the partials ``target``.
+
+    ``target``: ``dkv [N, D]`` fp32 (atomic), else a contiguous ``[cdiv(H, BLOCK_H), T * K, D]`` fp32 buffer.
+    """
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    b = _tiles("bwd", q, d_v)
+    return KernelLaunch(
+        "sparse_bwd_atomic" if atomic else "sparse_bwd_partials", _kernels().sparse_bwd_kernel,
+        (num_q, triton_cdiv(heads, b.h)),
+        (q, kv, idx, d_out, lse, delta, dq, target,
+         kv.shape[0], heads, width,
+         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), d_out.stride(0), d_out.stride(1),
+         scale),
+        {**_channel_constexprs(b, dim, d_v, q), "ATOMIC_DKV": atomic, "BLOCK_C": b.c}, b.warps, b.stages,
+    )
+
+
+def _reduce_launch(partials: Tensor, pairs: Tensor, row_ptr: Tensor, dkv: Tensor) -> KernelLaunch:
+    """The key-major fixed-order sum ``dkv[n] += sum_hb sum of partials[hb, pairs[row_ptr[n] : row_ptr[n + 1]]]``."""
+    num_rows, dim = dkv.shape
+    block_c = _pow2(dim) if dkv.device.type == "cpu" else min(_pow2(dim), 128)
+    return KernelLaunch(
+        "dkv_reduce", _kernels().dkv_reduce_kernel, (num_rows, triton_cdiv(dim, block_c)),
+        (partials, pairs, row_ptr, dkv, partials.shape[0], partials.shape[1]),
+        {"D": dim, "BLOCK_P": 16, "BLOCK_C": block_c}, 4, 1,
+    )
+
+
+def _partial_rows(num_q: int, blocks: int, width: int, dim: int, device: torch.device) -> int:
+    """Query rows per deterministic chunk: their ``[head blocks, rows * K, D]`` fp32 partials stay within 2 GiB (GPU)."""
+    budget = (2 << 30) if device.type != "cpu" else (64 << 20)
+    return max(1, min(num_q, budget // max(1, blocks * width * dim * 4)))
 
 
 def _launch_bwd(
     d_out: Tensor, q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, delta: Tensor, scale: float, d_v: int,
     deterministic: bool, dkv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(dq [T, H, D] fp32, dkv [N, D] fp32); ``dkv``: a zeroed contiguous fp32 [N, D] to fill (default: a new one)."""
+    """(dq [T, H, D] fp32, dkv [N, D] fp32); ``dkv``: a zeroed contiguous fp32 [N, D] to fill (default: a new one).
+
+    Atomic: one launch. Deterministic: per chunk of query rows, the query-major launch writes
+    each entry's dkv terms (no atomics), then the key-major reduce adds them into dkv in
+    (t, k) order; chunks follow each other in order, so the sums are bitwise reproducible.
+    """
     (num_q, heads, dim), width = q.shape, idx.shape[1]
     dq = torch.zeros((num_q, heads, dim), dtype=torch.float32, device=q.device)
     if dkv is None:
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     if num_q == 0 or width == 0:
         return dq, dkv
-    b, k = _blocks(q, d_v), _kernels()
-    grid = (num_q, triton_cdiv(heads, b.h), triton_cdiv(dim, b.dc))
-    k.sparse_bwd_kernel[grid](
-        q, kv, idx, d_out, lse, delta, dq, dkv,
-        kv.shape[0], heads, dim, d_v, width,
-        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), d_out.stride(0), d_out.stride(1),
-        scale,
-        ATOMIC_DKV=not deterministic, BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, BLOCK_DC=b.dc, PREC=_prec(q),
-        num_warps=b.warps,
-    )
-    if deterministic and kv.shape[0] > 0:
-        pair_t, row_ptr = inverted_index(idx, kv.shape[0])
-        block_h = _pow2(heads, 1)
-        block_p = max(1, (64 if q.device.type == "cpu" else 16) // block_h)
-        k.sparse_dkv_keymajor_kernel[(kv.shape[0], triton_cdiv(dim, b.dc))](
-            q, kv, d_out, lse, delta, pair_t, row_ptr, dkv,
-            heads, dim, d_v,
-            q.stride(0), q.stride(1), kv.stride(0), d_out.stride(0), d_out.stride(1),
-            scale,
-            BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_D=b.d, BLOCK_DC=b.dc, num_warps=4,
-        )
+    if not deterministic:
+        _bwd_launch(d_out, q, kv, idx, lse, delta, dq, dkv, scale, d_v, True)()
+        return dq, dkv
+    blocks = triton_cdiv(heads, _tiles("bwd", q, d_v).h)
+    rows = _partial_rows(num_q, blocks, width, dim, q.device)
+    for t0 in range(0, num_q, rows):
+        t1 = min(num_q, t0 + rows)
+        partials = torch.empty((blocks, (t1 - t0) * width, dim), dtype=torch.float32, device=q.device)
+        _bwd_launch(d_out[t0:t1], q[t0:t1], kv, idx[t0:t1], lse[t0:t1], delta[t0:t1], dq[t0:t1],
+                    partials, scale, d_v, False)()
+        if kv.shape[0] > 0:
+            pairs, row_ptr = _inverted_pairs(idx[t0:t1], kv.shape[0])
+            _reduce_launch(partials, pairs, row_ptr, dkv)()
     return dq, dkv
 
 
@@ -241,6 +365,24 @@ def _backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor | None, ..
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _probs_launch(q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, out: Tensor, scale: float) -> KernelLaunch:
+    """The KL target's launch: per-head-block sums ``out [cdiv(H, BLOCK_H), T, K]``; grid (T, head blocks).
+
+    The channels split at ``kv.shape[1]`` rounded down to a power of two (V4: all 512 in one tile).
+    """
+    (num_q, heads, dim), width = q.shape, idx.shape[1]
+    split = 1 << (dim.bit_length() - 1)
+    b = _tiles("probs", q, split)
+    return KernelLaunch(
+        "selected_probs", _kernels().selected_probs_kernel, (num_q, triton_cdiv(heads, b.h)),
+        (q, kv, idx, lse, out,
+         kv.shape[0], heads, width,
+         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+         scale),
+        _channel_constexprs(b, dim, split, q), b.warps, b.stages,
+    )
+
+
 @torch.library.custom_op("cpkv_triton::selected_probs", mutates_args=())
 def selected_probs_op(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale: float) -> Tensor:
     """Head-summed probabilities ``P[t, k] = sum_h exp(scale * q[t, h] . kv[indices[t, k]] - lse[t, h])``.
@@ -253,24 +395,60 @@ def selected_probs_op(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale
         [T, K] fp32, 0 at padding. No autograd: pass detached inputs.
     """
     q, kv, idx = _prepare(q, kv, indices)
-    (num_q, heads, dim), width = q.shape, idx.shape[1]
-    out = torch.zeros((num_q, width), dtype=torch.float32, device=q.device)
+    (num_q, heads, _), width = q.shape, idx.shape[1]
     if num_q == 0 or width == 0:
-        return out
-    b = _blocks(q, kv.shape[1])
-    _kernels().selected_probs_kernel[(num_q, triton_cdiv(width, b.k))](
-        q, kv, idx, lse.float().contiguous(), out,
-        kv.shape[0], heads, dim, width,
-        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-        scale,
-        BLOCK_H=b.h, BLOCK_K=b.k, BLOCK_D=b.d, PREC=_prec(q), num_warps=b.warps,
-    )
-    return out
+        return torch.zeros((num_q, width), dtype=torch.float32, device=q.device)
+    blocks = triton_cdiv(heads, _tiles("probs", q, 1).h)
+    parts = torch.empty((blocks, num_q, width), dtype=torch.float32, device=q.device)
+    _probs_launch(q, kv, idx, lse.float().contiguous(), parts, scale)()
+    return parts.sum(0) if blocks > 1 else parts[0]
 
 
 @selected_probs_op.register_fake
 def _(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale: float) -> Tensor:
     return q.new_empty(indices.shape, dtype=torch.float32)
+
+
+def aot_launches(case: AOTCase) -> list[KernelLaunch]:
+    """The sparse ops' launches at ``case``'s shapes on ``meta`` tensors (GPU tiles), for the sm_90a compile report.
+
+    Built by the same functions the ops call: the Gluon forward (where it fits: opt-in with
+    ``CPKV_TRITON_GLUON=1``), the forward, the atomic backward, the deterministic backward's
+    partials and key-major reduce (one chunk of query rows), and the KL target's head-summed
+    probabilities. Nothing runs; no device is needed.
+
+    Raises:
+        ValueError: ``case.d_v`` above ``case.dim``, or a non-positive size.
+    """
+    sizes = (case.tokens, case.kv_rows, case.heads, case.dim, case.d_v, case.topk)
+    if min(sizes) <= 0 or case.d_v > case.dim:
+        raise ValueError(f"case needs positive sizes and d_v <= dim, got {case}")
+    meta, f32 = torch.device("meta"), torch.float32
+    num_q, rows, heads, dim, d_v, width = sizes
+    q = torch.empty((num_q, heads, dim), dtype=case.dtype, device=meta)
+    kv = torch.empty((rows, dim), dtype=case.dtype, device=meta)
+    idx = torch.empty((num_q, width), dtype=torch.int32, device=meta)
+    out = torch.empty((num_q, heads, d_v), dtype=case.dtype, device=meta)
+    lse = torch.empty((num_q, heads), dtype=f32, device=meta)
+    dq, dkv = torch.empty((num_q, heads, dim), dtype=f32, device=meta), torch.empty((rows, dim), dtype=f32, device=meta)
+    scale = dim**-0.5
+    blocks = triton_cdiv(heads, _tiles("bwd", q, d_v).h)
+    chunk = _partial_rows(num_q, blocks, width, dim, meta)
+    partials = torch.empty((blocks, chunk * width, dim), dtype=f32, device=meta)
+    pairs = torch.empty((chunk * width,), dtype=torch.int32, device=meta)
+    row_ptr = torch.empty((rows + 1,), dtype=torch.int32, device=meta)
+    parts = torch.empty((triton_cdiv(heads, _tiles("probs", q, 1).h), num_q, width), dtype=f32, device=meta)
+    sinks = torch.empty((heads,), dtype=f32, device=meta)
+    fwd = _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+    gluon = _fwd_gluon_launch(q, kv, idx, sinks, out, lse, scale) if _gluon_fits(q, d_v) else None
+    triton_fwd = fwd if fwd.name == "sparse_fwd" else _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+    return [*([gluon] if gluon is not None else []), triton_fwd,
+        _bwd_launch(out, q, kv, idx, lse, lse, dq, dkv, scale, d_v, True),
+        _bwd_launch(out[:chunk], q[:chunk], kv, idx[:chunk], lse[:chunk], lse[:chunk], dq[:chunk], partials,
+                    scale, d_v, False),
+        _reduce_launch(partials, pairs, row_ptr, dkv),
+        _probs_launch(q, kv, idx, lse, parts, scale),
+    ]
 
 
 def _indexer_scores(q: Tensor, k: Tensor, w: Tensor, start: Tensor, end: Tensor, j0: int, width: int) -> Tensor:

@@ -1,0 +1,175 @@
+"""The V4 sparse-attention grid of gpu_check.py: cpkv's Triton kernels at V4-Flash and V4-Pro shapes.
+
+Shapes: H = 64 (V4-Flash) and 128 (V4-Pro) query heads over one shared kv head of D = 512
+(values: all 512 channels), K = 640 (128 window rows + 512 compressed entries) and K = 2048
+(128 + 1920: cuDNN's top-k 2048 figures), per-head sinks, bf16, T = 8K and 32K queries over
+``N = T + T / 4`` kv rows (tokens, then the compressed entries; ``-1`` where fewer are visible).
+
+* Correctness (T = 2K, every (H, K)): out, lse, dq, dkv, dsinks of
+  ``cpkv_triton::sparse_attention`` in bf16, atomic and deterministic dkv (and out, lse of
+  the opt-in Gluon forward, ``CPKV_TRITON_GLUON=1``), against the fp64
+  reference op, bounded by the bf16 reference op's own error (the 2x rule:
+  ``err <= 2 * err_reference_bf16 + 2**-8 * max|fp64|``); deterministic twice, bitwise.
+* Speed (every (H, K, T)): forward ms (plain Triton and Gluon), backward ms with atomic and with deterministic dkv,
+  counted TFLOP/s (cuDNN's convention: forward ``2*T*H*K*(D + d_v)``, backward
+  ``2*T*H*K*(3*D + 2*d_v)``), deterministic / atomic; at T = 8K also the reference ops'
+  forward + backward and the speed-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+
+from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
+from cpkv.backends.triton.ops import sparse_attention_op
+
+D, DV, WINDOW = 512, 512, 128
+HEADS, TOPKS, TOKENS = (64, 128), (640, 2048), (8192, 32768)
+HEADER = ["| H | K | T | check / phase | value | bound or reference | ok / TFLOP/s |", "|---|---|---|---|---|---|---|"]
+
+
+def flops(num_q: int, heads: int, topk: int) -> tuple[float, float]:
+    """Counted (forward, backward) FLOPs, cuDNN's convention."""
+    return 2.0 * num_q * heads * topk * (D + DV), 2.0 * num_q * heads * topk * (3 * D + 2 * DV)
+
+
+def inputs(num_q: int, heads: int, topk: int, device: torch.device, dim: int = D, d_v: int = DV) -> dict[str, Any]:
+    """q, kv, sinks, idx (``[T, topk]`` int32: the window, then compressed entries) and d_out, seeded."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_kv, picked_k = num_q + num_q // 4, topk - WINDOW
+    pos = torch.arange(num_q, device=device)
+    window = pos[:, None] - torch.arange(WINDOW - 1, -1, -1, device=device)
+    window = torch.where(window >= 0, window, -1)
+    visible = (pos + 1) // 4  # compressed entries j < floor((t + 1) / 4), as in V4
+    picked = (torch.rand(num_q, picked_k, device=device, generator=gen) * visible[:, None]).long()
+    picked = torch.where(torch.arange(picked_k, device=device) < visible[:, None], num_q + picked, -1)
+    return {
+        "q": torch.randn(num_q, heads, dim, device=device, generator=gen).bfloat16(),
+        "kv": torch.randn(num_kv, dim, device=device, generator=gen).bfloat16(),
+        "sinks": torch.randn(heads, device=device, generator=gen),
+        "idx": torch.cat([window, picked], 1).int(),
+        "d_out": torch.randn(num_q, heads, d_v, device=device, generator=gen).bfloat16(),
+    }
+
+
+def _grads(fn: Callable[..., Any], x: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
+    leaves = [x[k].to(dtype).requires_grad_(True) for k in ("q", "kv", "sinks")]
+    out, lse = fn(*leaves, x["idx"])
+    torch.autograd.backward((out, lse), (x["d_out"].to(out.dtype), torch.zeros_like(lse)))
+    return [out.detach(), lse.detach()] + [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def gluon_forward() -> Iterator[None]:
+    """The ops' forward through the Gluon kernel (``CPKV_TRITON_GLUON=1``) inside the block."""
+    before = os.environ.get("CPKV_TRITON_GLUON")
+    os.environ["CPKV_TRITON_GLUON"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CPKV_TRITON_GLUON")
+        else:
+            os.environ["CPKV_TRITON_GLUON"] = before
+
+
+def _triton(deterministic: bool) -> Callable[..., Any]:
+    return lambda q, kv, s, idx: sparse_attention_op(q, kv, idx, s, D**-0.5, DV, deterministic)
+
+
+def _reference(q: torch.Tensor, kv: torch.Tensor, s: torch.Tensor, idx: torch.Tensor) -> Any:
+    return ref_sparse(q, kv, idx, s, D**-0.5, DV, 256)
+
+
+def check(device: torch.device, num_q: int = 2048) -> tuple[list[str], bool]:
+    """Correctness rows for every (H, K) at ``num_q`` queries, and the verdict."""
+    rows, ok = [], True
+    for heads in HEADS:
+        for topk in TOPKS:
+            x = inputs(num_q, heads, topk, device)
+            exact = _grads(_reference, x, torch.float64)
+            low = _grads(_reference, x, torch.bfloat16)
+            for mode, det in (("atomic", False), ("deterministic", True)):
+                got = _grads(_triton(det), x, torch.bfloat16)
+                for name, e, lo, g in zip(("out", "lse", "dq", "dkv", "dsinks"), exact, low, got):
+                    err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
+                    bound = 2 * ref_err + 2**-8 * float(e.abs().max())
+                    ok &= err <= bound
+                    rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} ({mode}) err vs fp64 | {err:.3e} | "
+                                f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
+            with gluon_forward():
+                gluon = _grads(_triton(False), x, torch.bfloat16)
+            for name, e, lo, g in zip(("out", "lse"), exact, low, gluon):
+                err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
+                bound = 2 * ref_err + 2**-8 * float(e.abs().max())
+                ok &= err <= bound
+                rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} (gluon forward) err vs fp64 | {err:.3e} | "
+                            f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
+            again = _grads(_triton(True), x, torch.bfloat16)
+            same = all(torch.equal(a, b) for a, b in zip(got[2:], again[2:]))
+            ok &= same
+            rows.append(f"| {heads} | {topk} | {num_q // 1024}K | deterministic dq/dkv/dsinks bitwise twice | {same} | | "
+                        f"{'ok' if same else 'FAIL'} |")
+    return rows, ok
+
+
+def _ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def bench(num_q: int, heads: int, topk: int, device: torch.device, reps: int, with_reference: bool) -> list[str]:
+    """Timing rows of one (H, K, T)."""
+    x = inputs(num_q, heads, topk, device)
+    q, kv, s = (x[k].clone().requires_grad_(True) for k in ("q", "kv", "sinks"))
+    flops_f, flops_b = flops(num_q, heads, topk)
+    tag = f"| {heads} | {topk} | {num_q // 1024}K "
+
+    def fwd(fn: Callable[..., Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return fn(q, kv, s, x["idx"])
+        return run
+
+    def fwd_bwd(fn: Callable[..., Any]) -> Callable[[], Any]:
+        return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
+
+    t = {"fwd": _ms(fwd(_triton(False)), reps)}
+    with gluon_forward():
+        t["gluon"] = _ms(fwd(_triton(False)), reps)
+    rows = [f"{tag}| forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |",
+            f"{tag}| forward (gluon) ms | {t['gluon']:.2f} | | {flops_f / t['gluon'] / 1e9:.0f} |"]
+    for mode, det in (("atomic", False), ("deterministic", True)):
+        t[mode] = _ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
+        rows.append(f"{tag}| backward ({mode} dkv) ms | {t[mode]:.2f} | | {flops_b / t[mode] / 1e9:.0f} |")
+    rows.append(f"{tag}| deterministic / atomic backward | {t['deterministic'] / t['atomic']:.2f}x | <= 1.25x | |")
+    if with_reference:
+        ref = _ms(fwd_bwd(_reference), 1)
+        total = t["fwd"] + t["atomic"]
+        rows.append(f"{tag}| fwd+bwd ms, triton vs reference ops | {total:.2f} | {ref:.2f} | {ref / total:.1f}x speed-up |")
+    return rows
+
+
+def run(device: torch.device, reps: int, tokens: tuple[int, ...] = TOKENS) -> tuple[list[str], bool]:
+    """Every row of the section (correctness first), printed as they come, and the correctness verdict."""
+    rows, ok = check(device)
+    print("\n".join(rows), flush=True)
+    for heads in HEADS:
+        for topk in TOPKS:
+            for num_q in tokens:
+                rows += bench(num_q, heads, topk, device, reps, with_reference=num_q <= 8192)
+                print("\n".join(rows[-6:]), flush=True)
+    return rows, ok

@@ -1,0 +1,55 @@
+"""The executed-work model (cpkv.bench.kernel_work) against hand counts of the kernels' tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cpkv.backends.triton.launches import AOTCase, v4_cases  # noqa: E402
+from cpkv.backends.triton.ops import aot_launches  # noqa: E402
+from cpkv.bench.__main__ import main as bench_main  # noqa: E402
+from cpkv.bench.kernel_work import chained_replication, kernel_work  # noqa: E402
+
+
+def _flash(dtype: torch.dtype) -> AOTCase:
+    return next(c for c in v4_cases() if c.name == f"V4-Flash {'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+
+
+def test_forward_work_by_hand() -> None:
+    case = _flash(torch.bfloat16)
+    work = {w.name: w for w in kernel_work(case, aot_launches(case))}
+    h, d, k = 64, 512, 640
+    assert work["sparse_fwd"].counted_flops == 2 * h * k * (d + d)
+    # 64 heads, 8 warps: the chained QK^T dot covers 128 rows, so it runs twice; PV once.
+    assert work["sparse_fwd"].flops == 2 * (2 * h * k * d) + 2 * h * k * d
+    # bytes: q once, each kv row and index once (one head block), out and lse/sinks once
+    assert work["sparse_fwd"].bytes == h * d * 2 + k * d * 2 + 4 * k + h * d * 2 + 8 * h
+    assert work["sparse_bwd_atomic"].counted_flops == 2 * h * k * (3 * d + 2 * d)
+
+
+def test_fp32_dots_are_not_replicated_and_pro_has_two_head_blocks() -> None:
+    assert chained_replication(64, 8, tensor_cores=True) == 2
+    assert chained_replication(128, 8, tensor_cores=True) == 1
+    assert chained_replication(16, 8, tensor_cores=False) == 1
+    case = _flash(torch.float32)
+    fwd = kernel_work(case, aot_launches(case))[0]
+    assert fwd.name == "sparse_fwd" and fwd.ratio == 1.0
+    pro = next(c for c in v4_cases() if c.name == "V4-Pro bf16")
+    fwd_pro = kernel_work(pro, aot_launches(pro))[0]
+    assert fwd_pro.bytes > pro.heads * pro.dim * 2 + 2 * pro.topk * pro.dim * 2  # kv gathered per head block
+
+
+def test_bench_kernels_subcommand_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["kernels"]) == 0
+    text = capsys.readouterr().out
+    for case in v4_cases():
+        assert case.name in text
+    assert text.count("| sparse_fwd |") == 4
+
+
+def test_kernel_work_rejects_bad_cases() -> None:
+    bad = AOTCase("bad", torch.bfloat16, 4, 6, 2, 16, 32, 8, 2, 16, 4, 6)
+    with pytest.raises(ValueError, match="d_v <= dim"):
+        kernel_work(bad, [])
