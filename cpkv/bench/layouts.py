@@ -35,7 +35,7 @@ from cpkv.bench.balance import pad_for_zigzag
 from cpkv.bench.traffic import Dims, lognormal_cu_seqlens
 from cpkv.plan.attention import AttentionPlan, plan_attention
 from cpkv.plan.balance import CostModel, balanced_layout, rank_costs
-from cpkv.plan.layouts import ShardLayout, contiguous_layout, zigzag_layout
+from cpkv.plan.layouts import ShardLayout, contiguous_layout, expand_ranges, zigzag_layout
 
 BEGIN = "<!-- layouts: begin (python -m cpkv.bench layouts) -->"
 END = "<!-- layouts: end -->"
@@ -75,40 +75,53 @@ def allgather_bytes(layout: ShardLayout, rank: int, cost: CostModel, dims: Dims)
     return remote * dims.element_bytes * (layers * dims.kv_dim + compressed * dims.hidden)
 
 
-def _cover(lo: Tensor, hi: Tensor, total: int) -> Tensor:
-    """``[total]`` bool: the union of the intervals ``[lo[i], hi[i])``."""
-    marks = torch.zeros(total + 1, dtype=torch.int64)
-    marks.index_add_(0, lo, torch.ones_like(lo)).index_add_(0, hi, -torch.ones_like(hi))
-    return torch.cumsum(marks, 0)[:total] > 0
+def _remote_count(candidates: Tensor, starts: Tensor, ends: Tensor) -> int:
+    """Distinct ``candidates`` (global tokens) outside the ranges ``[starts, ends)`` (sorted, disjoint)."""
+    tokens = torch.unique(candidates)
+    slot = torch.searchsorted(starts, tokens, right=True) - 1
+    held = (slot >= 0) & (tokens < ends.index_select(0, slot.clamp(min=0)))
+    return int((~held).sum())
+
+
+def _spans(lo: Tensor, hi: Tensor) -> Tensor:
+    """The integers of every interval ``[lo[i], hi[i])`` (empty ones skipped), concatenated."""
+    keep = hi > lo
+    return expand_ranges(lo[keep], hi[keep])
 
 
 def limit_rows(layout: ShardLayout, rank: int, window: int, prev_blocks: dict[int, int]) -> StackRows:
-    """The fewest rows ``rank`` must receive per layer kind, by set arithmetic on the layout's tokens.
+    """The fewest rows ``rank`` must receive per layer kind, by set arithmetic on the layout's token ranges.
+
+    Independent of the planner. With the rank's ranges ``[a, b)`` in documents ``[s, e)``:
+
+    * window: the distinct tokens of ``[max(s, a - W + 1), a)`` over its ranges that it does not hold
+      (no query of a range reaches further back);
+    * entries (ratio ``m``): entry ``k`` of a document (block ``[s + k*m, s + (k+1)*m)``) is visible to
+      the rank's queries if its last token is at most the rank's last query in that document, and
+      owned by the rank holding that last token: ``(q_max - s + 1) // m`` visible minus the owned;
+    * hidden: the distinct tokens the compressor of its owned entries reads (entry ``k`` reads
+      ``[max(s, s + (k - prev)*m), s + (k+1)*m)``) that it does not hold.
 
     Args:
         layout: any layout. rank: the rank. window: ``W`` (own token plus ``W - 1`` before).
         prev_blocks: per compress ratio ``m``, the earlier blocks its compressor reads (V4: 1 at 4).
     """
-    cu, total = layout.cu_seqlens, layout.num_tokens
-    lengths = cu.diff()
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
-    first = cu[:-1].index_select(0, doc)  # each token's document start
-    mine = layout.local_tokens(rank)
-    held = torch.zeros(total, dtype=torch.bool)
-    held[mine] = True
-    reach = _cover(torch.maximum(mine - (window - 1), first[mine]), mine + 1, total)
-    last_query = torch.full((lengths.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, doc[mine], mine, "amax")
+    starts, ends = layout.ranges_of(rank)
+    first = layout.cu_seqlens.index_select(0, layout.documents[int(layout.offsets[rank]):int(layout.offsets[rank + 1])])
+    window_rows = _remote_count(_spans(torch.maximum(starts - (window - 1), first), starts), starts, ends)
+    # The rank's last query in each document it touches: the end of its last range there.
+    doc_first, slot = torch.unique(first, return_inverse=True)
+    last_query = torch.full_like(doc_first, -1).scatter_reduce_(0, slot, ends - 1, "amax")
     hidden, entries = {}, {}
     for ratio, prev in prev_blocks.items():
-        blocks = torch.div(lengths, ratio, rounding_mode="floor")
-        entry_doc = torch.repeat_interleave(torch.arange(lengths.numel()), blocks)
-        j = torch.arange(entry_doc.numel()) - (torch.cumsum(blocks, 0) - blocks).index_select(0, entry_doc)
-        last = cu[:-1].index_select(0, entry_doc) + (j + 1) * ratio - 1  # each entry's block's last token
-        owned = held[last]
-        entries[ratio] = int(((last <= last_query[entry_doc]) & ~owned).sum())
-        reads = torch.maximum(last + 1 - (prev + 1) * ratio, cu[:-1].index_select(0, entry_doc))
-        hidden[ratio] = int((_cover(reads[owned], last[owned] + 1, total) & ~held).sum())
-    return StackRows(int((reach & ~held).sum()), hidden, entries)
+        owned = torch.div(ends - first, ratio, rounding_mode="floor") - torch.div(starts - first, ratio, rounding_mode="floor")
+        visible = torch.div(last_query - doc_first + 1, ratio, rounding_mode="floor")
+        entries[ratio] = int(visible.sum() - owned.sum())
+        # The first owned entry of a range ends at the first block end >= a; it reads (prev + 1) blocks back.
+        first_last = first + (torch.div(starts - first, ratio, rounding_mode="floor") + 1) * ratio - 1
+        lo = torch.maximum(first_last + 1 - (prev + 1) * ratio, first)
+        hidden[ratio] = _remote_count(_spans(lo, torch.where(owned > 0, starts, lo)), starts, ends)
+    return StackRows(window_rows, hidden, entries)
 
 
 def need_rows(plan: AttentionPlan, window: int, ratios: tuple[int, ...]) -> StackRows:

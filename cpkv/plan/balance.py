@@ -16,21 +16,25 @@ number, :attr:`CostModel.per_token`. The cost grows with ``p`` (the indexer and 
 contiguous layout loads its last rank most (1.875x the mean for the indexer alone, one document).
 
 :func:`balanced_layout` cuts documents so every rank's modeled cost is equal, with no padding
-requirement (any lengths, any ``T``; ranks may hold different token counts):
+requirement (any lengths, any ``T``; ranks may hold different token counts). The documents, in
+packed order, are laid end to end on a line of cost (each as long as its modeled cost), and the
+line is cut into ``cp`` equal parts, rank ``r`` owning part ``r``:
 
-1. documents whose cost exceeds :data:`CUT_FRACTION` of the per-rank target are cut into ``2*cp``
-   chunks, chunks ``i`` and ``2cp-1-i`` on rank ``i`` (head-tail pairing): the head chunks have
-   equal tokens (``n / 2cp``) and each tail cut is placed, by bisection on the closed-form
-   cumulative cost, so that ranks ``0..i`` hold ``(i+1)/cp`` of the document's cost. Every rank
-   gets ``1/cp`` of the cost and, the cost being nearly linear in ``p``, about ``1/cp`` of the
-   tokens (a tail cut always exists: the per-token cost is non-decreasing, so no head chunk
-   costs more than ``1/cp`` of the document);
-2. the other documents, in packed order, fill the ranks contiguously by cost: the cumulative cost
-   of these documents is cut where each rank's remaining capacity (the target minus its share of
-   the cut documents, which absorbs their rounding) is full, splitting at most ``cp - 1`` of them.
+* a document inside one part stays whole on that rank (most documents of a pack);
+* a document that crosses part boundaries, spanning ranks ``r0..r1`` with shares ``s_k`` of its
+  cost, is cut head-tail among those ranks: rank ``k`` holds a head chunk and a tail chunk
+  (outermost pair on ``r0``, innermost on ``r1``, which joins them); the head chunks have
+  tokens in proportion to the shares (``n/2`` in all) and each tail cut is placed, by bisection
+  on the closed-form cumulative cost, so that every rank's pair costs its share. Each pair takes
+  cheap tokens from the head and dear ones from the tail, so the tokens also follow the shares
+  (a contiguous cut at equal cost would give a long document's first rank several times its
+  share of tokens: cost per token grows with ``p``). A tail cut
+  always exists: the per-token cost is non-decreasing in ``p``, so a head chunk (positions
+  ``< n/2``) never costs more than its share.
 
-So a rank holds two ranges per cut document plus a run of consecutive small documents, and every
-rank's cost is the target within one or two tokens' cost.
+At most ``cp - 1`` documents are cut (one per boundary at most crosses it), every rank's cost is
+its share within a token or two's cost, and a rank holds a run of consecutive whole documents
+plus two ranges of each cut document it spans.
 """
 
 from __future__ import annotations
@@ -45,11 +49,7 @@ from cpkv.checks import check_int, check_int_dtype, check_tensor
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, layout_from_ranges
 
-__all__ = ["CUT_FRACTION", "CostModel", "balanced_layout", "rank_costs"]
-
-CUT_FRACTION = 0.5
-"""A document whose modeled cost exceeds this fraction of the per-rank target is cut into ``2*cp`` chunks."""
-
+__all__ = ["CostModel", "balanced_layout", "rank_costs"]
 
 @dataclass(frozen=True)
 class CostModel:
@@ -210,12 +210,13 @@ def _check_cost(cost: object) -> CostModel:
 def balanced_layout(cu_seqlens: Tensor, cp_size: int, cost: CostModel | None = None) -> ShardLayout:
     """Every rank's ranges such that the modeled cost (:class:`CostModel`) is equal on every rank.
 
-    Documents costing more than :data:`CUT_FRACTION` of the per-rank target are cut into
-    ``2*cp_size`` chunks, chunks ``i`` and ``2cp-1-i`` on rank ``i``, the pairs of equal cost;
-    the others fill the ranks in packed order by cost (see the module docstring). No padding: any document
-    lengths (empty ones included) and any ``T``; ranks may hold different token counts (a rank
-    may hold none when there are fewer tokens than ranks). Vectorised over tokens and documents
-    (a bisection of ``log2(max length)`` steps over the cut positions).
+    The documents, in packed order, are laid on a line of cost, which is cut into ``cp_size``
+    equal parts: a document inside one rank's part stays whole on that rank; one that crosses
+    rank boundaries is cut head-tail among the ranks it spans, each rank's head and tail chunk
+    together costing its share (see the module docstring). No padding: any document lengths
+    (empty ones included) and any ``T``; ranks may hold different token counts (a rank may hold
+    none when there are fewer tokens than ranks). Vectorised over tokens and documents (a
+    bisection of ``log2(max length)`` steps over the cut positions).
 
     Args:
         cu_seqlens: ``[B + 1]`` int32/int64, leading zero (any device; the layout is CPU).
@@ -235,48 +236,45 @@ def balanced_layout(cu_seqlens: Tensor, cp_size: int, cost: CostModel | None = N
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     lengths, firsts = cu.diff(), cu[:-1]
     doc_costs = model._prefix(lengths)
-    target = float(doc_costs.sum()) / cp_size
-    cut = (doc_costs > CUT_FRACTION * target) & (lengths > 0)
+    total = float(doc_costs.sum())
+    if total <= 0:  # no tokens
+        empty = torch.zeros(0, dtype=torch.int64)
+        return layout_from_ranges(cu, cp_size, empty, empty, empty)
+    target = total / cp_size
+    begin = torch.cumsum(doc_costs, 0) - doc_costs  # where each document starts on the cost line
+    first_rank = torch.div(begin, target, rounding_mode="floor").long().clamp(0, cp_size - 1)
+    last_rank = torch.maximum(torch.ceil((begin + doc_costs) / target).long() - 1, first_rank).clamp(max=cp_size - 1)
+    present = lengths > 0
+    whole = present & (first_rank == last_rank)
+    split = (present & (first_rank < last_rank)).nonzero().flatten()
 
-    # 1. Head-tail chunks of the costly documents: rank i holds head chunk [i*n/2cp, (i+1)*n/2cp)
-    #    (equal tokens) and the tail chunk that brings ranks 0..i to (i+1)/cp of the cost.
-    chunks = 2 * cp_size
-    n_cut, c_cut = lengths[cut], doc_costs[cut]
-    i = torch.arange(cp_size + 1)
-    heads = torch.div(n_cut[:, None] * i[None, :], chunks, rounding_mode="floor")  # [K, cp + 1]
-    share = c_cut[:, None] * (i[None, :].double() / cp_size)
-    tail_cost = c_cut[:, None] + model._prefix(heads) - share  # F(tail cut) of ranks 0..i-1
-    tails = _invert(model, n_cut[:, None].expand(-1, cp_size + 1).flatten(), tail_cost.flatten()).view(-1, cp_size + 1)
-    tails[:, 0], tails[:, -1] = n_cut, heads[:, -1]  # exact ends: the doc's end, and the middle
-    tails = torch.maximum(tails, heads[:, -1:]).cummin(1).values  # monotone despite rounding
-    bounds = torch.cat([heads, tails.flip(1)[:, 1:]], 1)  # [K, 2cp + 1] chunk bounds in document order
-    j = torch.arange(chunks)
-    chunk_ranks = torch.where(j < cp_size, j, chunks - 1 - j).repeat(int(n_cut.numel()))
-    chunk_costs = (model._prefix(bounds[:, 1:]) - model._prefix(bounds[:, :-1])).flatten()
-    loads = torch.zeros(cp_size, dtype=torch.float64).index_add_(0, chunk_ranks, chunk_costs)
-    big_starts = (firsts[cut][:, None] + bounds[:, :-1]).flatten()
-    big_ends = (firsts[cut][:, None] + bounds[:, 1:]).flatten()
-
-    # 2. The other documents fill the ranks in packed order: cut their cumulative cost at each
-    #    rank's remaining capacity.
-    small = ~cut
-    small_costs, small_lengths, small_firsts = doc_costs[small], lengths[small], firsts[small]
-    reach = torch.cumsum(small_costs, 0)  # cumulative cost at each small document's end
-    capacity = torch.cumsum(target - loads, 0)[:-1]  # where ranks 0..cp-2 end, in that cost
-    if reach.numel():
-        capacity = capacity.clamp(0.0, float(reach[-1])).cummax(0).values
-        doc = torch.searchsorted(reach, capacity).clamp(max=reach.numel() - 1)
-        inside = _invert(model, small_lengths[doc], capacity - (reach[doc] - small_costs[doc]))
-        cuts = small_firsts[doc] + inside
-    else:
-        cuts = torch.zeros(0, dtype=torch.int64)
-    points = torch.unique(torch.cat([small_firsts, small_firsts + small_lengths, cuts]))
-    starts, ends = points[:-1], points[1:]  # pieces of small documents, and the gaps of the cut ones
-    in_small = small[torch.searchsorted(cu[1:], starts, right=True)]  # start < T: a document index
-    starts, ends = starts[in_small], ends[in_small]
-    small_ranks = torch.searchsorted(cuts, starts, right=True)
-    return layout_from_ranges(cu, cp_size, torch.cat([big_starts, starts]), torch.cat([big_ends, ends]),
-                              torch.cat([chunk_ranks, small_ranks]))
+    # A split document of n tokens spanning ranks r0..r1: rank k's head chunk ends at
+    # h_k = (n // 2) * B_k / c (B_k: the document's cost on ranks r0..k, c: its cost), so heads
+    # have tokens in proportion to the shares; its tail chunk starts at t_k, placed (by
+    # bisection on the closed form) so that ranks r0..k hold B_k: F(h_k) + c - F(t_k) = B_k.
+    spans = last_rank[split] - first_rank[split] + 1
+    doc = split.repeat_interleave(spans)  # one row per (split document, rank it spans)
+    group_start = torch.cumsum(spans, 0) - spans
+    offset = torch.arange(doc.numel()) - group_start.repeat_interleave(spans)
+    rank = first_rank[doc] + offset
+    n, c = lengths[doc], doc_costs[doc]
+    last = offset == (spans - 1).repeat_interleave(spans)
+    reached = torch.where(last, c, ((rank + 1).double() * target - begin[doc]).clamp(min=0.0).minimum(c))
+    mid = torch.div(n, 2, rounding_mode="floor")
+    heads = torch.where(last, mid, torch.floor(mid.double() * (reached / c)).long().clamp(max=mid))
+    tails = _invert(model, n, c + model._prefix(heads) - reached)
+    tails = torch.where(last, mid, tails.clamp(min=mid))
+    # Non-increasing within each document despite rounding: cummin, each document offset below the previous.
+    shift = torch.arange(split.numel()).repeat_interleave(spans) * (int(lengths.max()) + 1)
+    tails = (tails - shift).cummin(0).values + shift
+    is_first = offset == 0
+    prev_heads = torch.where(is_first, 0, heads.roll(1))
+    prev_tails = torch.where(is_first, n, tails.roll(1))
+    base = firsts[doc]
+    starts = torch.cat([firsts[whole], base + prev_heads, base + tails])
+    ends = torch.cat([firsts[whole] + lengths[whole], base + heads, base + prev_tails])
+    ranks = torch.cat([first_rank[whole], rank, rank])
+    return layout_from_ranges(cu, cp_size, starts, ends, ranks)
 
 
 def rank_costs(layout: ShardLayout, cost: CostModel | None = None) -> Tensor:

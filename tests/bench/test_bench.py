@@ -112,8 +112,11 @@ def _set_limit(layout: ShardLayout, rank: int, window: int, prev: dict[int, int]
 
 
 @pytest.mark.parametrize("name", ["contiguous", "zigzag", "balanced"])
-def test_layout_limit_is_the_set_of_remote_rows(name: str) -> None:
-    cu = seqlens_to_cu_seqlens([37, 0, 130, 3, 64, 9, 1, 140], dtype=torch.int64)  # 384 tokens
+@pytest.mark.parametrize("lengths", [[37, 0, 130, 3, 64, 9, 1, 140], [400], [5, 300, 17, 2, 60]])
+def test_layout_limit_is_the_set_of_remote_rows(name: str, lengths: list[int]) -> None:
+    cu = seqlens_to_cu_seqlens(lengths, dtype=torch.int64)
+    if int(cu[-1]) % 12:  # contiguous needs T % cp == 0: the last document absorbs the rest
+        cu[-1] += 12 - int(cu[-1]) % 12
     for cp in (3, 4):
         layout, _, _ = make_layout(name, cu, cp, CostModel())
         for rank in range(cp):

@@ -102,6 +102,9 @@ def test_lognormal_packs_are_balanced(cp: int, seed: int) -> None:
     assert float(brute.max() / brute.mean()) <= 1.02
     longest = int(cu.diff().max())
     assert float((brute - brute.mean()).abs().max()) <= 2 * float(model.token_costs(torch.tensor([longest - 1])))
+    # Only documents that cross a boundary of the cost line are cut: at most cp - 1 of them.
+    holders = torch.zeros(cu.numel() - 1, dtype=torch.int64).index_add_(0, layout.documents, torch.ones_like(layout.documents))
+    assert int((holders > 1).sum()) <= cp - 1
 
 
 def test_per_token_cost_balances_tokens() -> None:
