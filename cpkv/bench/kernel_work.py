@@ -11,7 +11,8 @@ chained dot: Triton 3.6 lays a ``tl.dot`` whose result feeds another dot (S -> P
 dP -> dS -> dq) out with all warps along M (``warpsPerTileV3`` returns ``[num_warps, 1]``), so
 with wgmma (16 rows a warp) a ``BLOCK_H``-row dot covers ``16 * num_warps`` rows: at 64 heads
 and 8 warps both warpgroups compute the same 64 rows (replication 2; the compile report
-shows it as ``warps [8, 1]``). mma.sync and FMA dots are counted once.
+shows it as ``warps [8, 1]``). The backward's dkv dots (built transposed, M = a channel
+chunk, split ``[4, 2]``), mma.sync and FMA dots are counted once.
 Bytes count what the loads move (masked lanes move nothing): Q/dO once per program, kv rows
 once per head block, the backward's Q/dO column chunks again at each K step, dkv atomics,
 or the deterministic mode's stored terms and their reduce.

@@ -7,6 +7,12 @@ constexpr names and channel split (the tile values differ: CPU tiles vs GPU tile
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -84,3 +90,36 @@ def test_the_gluon_forward_is_planned_where_it_fits(monkeypatch: pytest.MonkeyPa
     assert [launch.name for launch in ops.aot_launches(flash)][:2] == ["sparse_fwd_gluon", "sparse_fwd"]
     for case in (_case(), _case(torch.bfloat16), AOTCase("rope", torch.bfloat16, 8, 16, 64, 576, 512, 640, 64, 128, 512, 16)):
         assert all(not launch.name.endswith("_gluon") for launch in ops.aot_launches(case))  # fp32, D != d_v
+
+
+_COMPILE = r"""
+import json, sys
+sys.path.insert(0, "benchmarks")
+import compile_report  # drops TRITON_INTERPRET: this process compiles for sm_90a
+from cpkv.backends.triton import ops
+from cpkv.backends.triton.launches import v4_cases
+case = next(c for c in v4_cases(64, 64) if c.name == sys.argv[1])
+rows = [compile_report.compile_launch(launch, case.name) for launch in ops.aot_launches(case)
+        if launch.name in sys.argv[2:]]
+print(json.dumps([[r.name, r.spill_bytes, [[d.line, d.kind, d.detail] for d in r.dots]] for r in rows]))
+"""
+
+
+def _compiled(case: str, *names: str) -> list[tuple[str, int, list[tuple[int, str, str]]]]:
+    """The sm_90a compile of the named launches (``benchmarks/compile_report.py``'s path, in a subprocess)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", _COMPILE, case, *names], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sorted(r[0] for r in rows) == sorted(names)
+    return rows
+
+
+def test_bf16_backward_dots_are_all_wgmma_without_spills() -> None:
+    """The dkv terms are built transposed (M = a 64-channel chunk), so no dot falls back to mma.sync at BLOCK_K 32."""
+    for name, spills, dots in _compiled("V4-Flash bf16", "sparse_bwd_atomic", "sparse_bwd_partials"):
+        assert spills == 0, name
+        assert dots and all(kind == "wgmma" for _, kind, _ in dots), (name, dots)

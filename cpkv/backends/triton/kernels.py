@@ -101,8 +101,9 @@ def sparse_bwd_kernel(
     Grid (T, cdiv(H, BLOCK_H)). ``delta = rowsum(do * out) - d_lse``, ``P = exp(scale * s - lse)``,
     ``dS = P * (dP - delta) * scale``. Q and dO stay resident for S, dP and dq; each kv tile is
     loaded once. The dkv terms ``G[k] = dS^T Q + P^T dO`` (``[BLOCK_K, D]``) are built
-    ``BLOCK_C`` columns at a time (their Q/dO column chunks re-read from L2, the FLOPs done
-    once) and either added into ``dkv [N, D]`` with fp32 atomics (``ATOMIC_DKV``) or stored
+    transposed, ``BLOCK_C`` channels at a time: ``G^T = Q_c^T dS + dO_c^T P`` (``[BLOCK_C,
+    BLOCK_K]``, M = ``BLOCK_C``, so the dots are wgmma at any ``BLOCK_K``; their Q/dO column
+    chunks re-read from L2, the FLOPs done once) and either added into ``dkv [N, D]`` with fp32 atomics (``ATOMIC_DKV``) or stored
     to ``dkv_ptr`` as rows ``G[hb, t * K + k]`` of a ``[cdiv(H, BLOCK_H), T * K, D]`` fp32
     buffer, ``hb`` the head block (no atomics: :func:`dkv_reduce_kernel` sums them per kv
     row in a fixed order).
@@ -147,32 +148,36 @@ def sparse_bwd_kernel(
         dq_v += tl.dot(ds_lo, kv_v, input_precision=PREC)
         if HAS_REST:
             dq_r += tl.dot(ds_lo, kv_r, input_precision=PREC)
-        ds_t = tl.trans(ds_lo)
-        p_t = tl.trans(p.to(kv_v.dtype))
+        p_lo = p.to(kv_v.dtype)
+        # dkv terms transposed, G^T [BLOCK_C, BLOCK_K] = Q_c^T dS + dO_c^T P: M is a channel chunk
+        # (64 on the GPU), so the dots are wgmma whatever BLOCK_K is; stored/added transposed.
         if ATOMIC_DKV:
-            g_rows = dkv_ptr + safe_rows[:, None] * D
-            g_mask = valid[:, None]
+            g_cols = dkv_ptr + safe_rows[None, :] * D
+            g_mask = valid[None, :]
         else:
-            g_rows = dkv_ptr + ((tl.program_id(1) * tl.num_programs(0) + t) * K + kk).to(tl.int64)[:, None] * D
-            g_mask = (kk < K)[:, None]
+            g_cols = dkv_ptr + ((tl.program_id(1) * tl.num_programs(0) + t) * K + kk).to(tl.int64)[None, :] * D
+            g_mask = (kk < K)[None, :]
         for c0 in range(0, DV, BLOCK_C):  # value columns: dS^T Q + P^T dO
             cc = c0 + offs_c
             q_c = tl.load(q_rows + cc[None, :], mask=mask_h[:, None] & (cc < D)[None, :], other=0.0)
             do_c = tl.load(do_rows + cc[None, :], mask=mask_h[:, None] & (cc < DV)[None, :], other=0.0)
-            g = tl.dot(ds_t, q_c, input_precision=PREC)
-            g += tl.dot(p_t, do_c.to(q_c.dtype), input_precision=PREC)
+            # a - b, not a + b: Triton folds ``dot + x`` into the dot's accumulator, which would
+            # chain the first dot into the second and lay it out with all warps on M (x2 replicated
+            # wgmma, and 2.6 KB of spills at 64 heads); a subtraction is not folded.
+            g = tl.dot(tl.trans(q_c), ds_lo, input_precision=PREC) - tl.dot(
+                tl.trans(-do_c.to(q_c.dtype)), p_lo, input_precision=PREC)
             if ATOMIC_DKV:
-                tl.atomic_add(g_rows + cc[None, :], g, mask=g_mask & (cc < D)[None, :], sem="relaxed")
+                tl.atomic_add(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None], sem="relaxed")
             else:
-                tl.store(g_rows + cc[None, :], g, mask=g_mask & (cc < D)[None, :])
+                tl.store(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None])
         for c0 in range(C_REST, D, BLOCK_C):  # the columns after the value chunks: dS^T Q only
             cc = c0 + offs_c
             q_c = tl.load(q_rows + cc[None, :], mask=mask_h[:, None] & (cc < D)[None, :], other=0.0)
-            g = tl.dot(ds_t, q_c, input_precision=PREC)
+            g = tl.dot(tl.trans(q_c), ds_lo, input_precision=PREC)
             if ATOMIC_DKV:
-                tl.atomic_add(g_rows + cc[None, :], g, mask=g_mask & (cc < D)[None, :], sem="relaxed")
+                tl.atomic_add(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None], sem="relaxed")
             else:
-                tl.store(g_rows + cc[None, :], g, mask=g_mask & (cc < D)[None, :])
+                tl.store(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None])
     dq_rows = dq_ptr + t * H * D + offs_h[:, None] * D
     tl.store(dq_rows + offs_v[None, :], dq_v, mask=mask_h[:, None] & mask_v[None, :])
     if HAS_REST:
