@@ -19,7 +19,7 @@ the warps along M cover more rows than the dot has, so each warpgroup computes t
 rows), ``mma.sync`` (Ampere-style) or ``FMA`` (no tensor cores: the fp32 IEEE path), and
 the kernel's PTX counts of ``wgmma.mma_async``, ``mma.sync`` and ``fma.rn.f32``. The last line is
 ``compile report: N kernel configs, S with spills, M dots not on wgmma (bf16)``; the exit
-status is 1 on a compile error or on a spill in a bf16 case (CI's condition).
+status is 1 on a compile error, a spill in a bf16 case or a bf16 ``tl.dot`` not on wgmma (CI's condition).
 
 Cases (the DeepSeek-V4 attention shapes; transformers' ``DeepseekV4Config`` defaults are
 V4-Flash: 64 heads, head dim 512, sliding window 128, indexer 64 heads x 128, top-k 512;
@@ -234,7 +234,7 @@ def _dot_summary(dots: tuple[Dot, ...]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compile, print the table and the summary line; 1 on a compile error or a bf16 spill."""
+    """Compile, print the table and the summary line; 1 on a compile error, a bf16 spill or a bf16 dot off wgmma."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", help="only these case names (repeatable)")
     args = parser.parse_args(argv)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(f'{r.name} {r.case}' for r in bf16_spills) or 'none'})")
     print(f"compile report: {len(rows) + errors} kernel configs, {len(spilled)} with spills, "
           f"{not_wgmma} dots not on wgmma (bf16)")
-    return 1 if errors or bf16_spills else 0
+    return 1 if errors or bf16_spills or not_wgmma else 0
 
 
 if __name__ == "__main__":
