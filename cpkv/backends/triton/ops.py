@@ -4,7 +4,6 @@
   ``(out, lse)``, differentiable w.r.t. q, kv and sinks (also through ``lse``); its
   backward is the op ``cpkv_triton::sparse_attention_backward``.
 * ``cpkv_triton::selected_probs(q, kv, indices, lse, scale)`` -> ``[T, K]`` (no autograd).
-* ``cpkv_triton::indexer_topk(q, k, weights, start, end, topk)`` -> ``(indices, scores)`` (no autograd).
 
 Semantics are those of the reference ops of the same name (:mod:`cpkv.backends.reference`),
 which are the tests' oracle. Nothing is validated here (the backend's plans were validated
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["indexer_topk_op", "selected_probs_op", "sparse_attention_backward_op", "sparse_attention_op"]
+__all__ = ["selected_probs_op", "sparse_attention_backward_op", "sparse_attention_op"]
 
 NEG_INF = float("-inf")
 
@@ -272,66 +271,3 @@ def selected_probs_op(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale
 def _(q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, scale: float) -> Tensor:
     return q.new_empty(indices.shape, dtype=torch.float32)
 
-
-def _indexer_scores(q: Tensor, k: Tensor, w: Tensor, start: Tensor, end: Tensor, j0: int, width: int) -> Tensor:
-    """[T, width] fp32 scores of entries ``j0 .. j0 + width - 1`` (-inf where not visible)."""
-    num_q, heads, dim = q.shape
-    out = torch.empty((num_q, width), dtype=torch.float32, device=q.device)
-    cpu = q.device.type == "cpu"
-    block_t, block_n = (64, 128) if cpu else (64, 64)
-    _kernels().indexer_scores_kernel[(triton_cdiv(num_q, block_t), triton_cdiv(width, block_n))](
-        q, k, w, start, end, out,
-        num_q, heads, dim, j0, width,
-        q.stride(0), q.stride(1), k.stride(0), w.stride(0),
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_DI=_pow2(dim), PREC=_prec(q), num_warps=4,
-    )
-    return out
-
-
-@torch.library.custom_op("cpkv_triton::indexer_topk", mutates_args=())
-def indexer_topk_op(
-    q: Tensor, k: Tensor, weights: Tensor, start: Tensor, end: Tensor, topk: int, block_size: int
-) -> tuple[Tensor, Tensor]:
-    """Top-k lightning-indexer entries: Triton scores per (query block, entry chunk), streaming merge.
-
-    Scores ``I[t, j] = sum_h weights[t, h] * relu(q[t, h] . k[j])`` come from
-    ``indexer_scores_kernel`` ``block_size`` entries at a time (never ``[T, H_I, N_c]``);
-    each chunk is merged into the running top-k by a stable descending sort, so ties go to
-    the earlier row (the running top-k holds only earlier rows, in order).
-
-    Args:
-        q: [T, H_I, D_I]. k: [N_c, D_I], dtype of q. weights: [T, H_I]. start, end: [T] int:
-            query ``t`` picks among rows ``[start[t], end[t])``, both clamped to ``[0, N_c]``
-            (no key row past ``k``'s end is ever scored). topk: entries per row.
-        block_size: queries per block and entries per chunk.
-
-    Returns:
-        ``(indices [T, topk] int64 -1 padded, scores [T, topk] fp32 -inf at padding)``, by
-        descending score. No autograd.
-    """
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k, weights = k.contiguous(), weights.contiguous()
-    start, end = start.clamp(0, k.shape[0]), end.clamp(0, k.shape[0])  # in range: no row past k's end
-    start32, end32 = start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
-    scores = torch.full((q.shape[0], topk), NEG_INF, dtype=torch.float32, device=q.device)
-    indices = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
-    for t0 in range(0, q.shape[0], block_size):
-        rows = slice(t0, t0 + block_size)
-        lo, hi = int(start[rows].min()), int(end[rows].max())  # host sync (op body)
-        best_s, best_i = scores[rows], indices[rows]
-        for j0 in range(lo, hi, block_size):
-            width = min(block_size, hi - j0)
-            s = _indexer_scores(q[rows], k, weights[rows], start32[rows], end32[rows], j0, width)
-            j = torch.arange(j0, j0 + width, device=q.device)
-            merged, pos = torch.cat([best_s, s], 1).sort(dim=1, descending=True, stable=True)
-            best_s = merged[:, :topk]
-            best_i = torch.cat([best_i, torch.where(s > NEG_INF, j, -1)], 1).gather(1, pos[:, :topk])
-        scores[rows], indices[rows] = best_s, best_i
-    return indices, scores
-
-
-@indexer_topk_op.register_fake
-def _(q: Tensor, k: Tensor, weights: Tensor, start: Tensor, end: Tensor, topk: int,
-      block_size: int) -> tuple[Tensor, Tensor]:
-    shape = (q.shape[0], topk)
-    return q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.float32)

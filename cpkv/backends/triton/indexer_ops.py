@@ -1,0 +1,212 @@
+"""The lightning indexer's top-k as the custom op ``cpkv_triton::indexer_topk``: one kernel launch, no host sync.
+
+``indexer_topk_op(q, k, weights, k_scale, start, count, topk)`` -> ``(indices, scores)``:
+query ``t`` picks the ``topk`` highest scores
+``I[t, j] = scale[j] * sum_h weights[t, h] * relu(q[t, h] . k[j])`` among the entries
+``[start[t], start[t] + count[t])`` (clamped to ``[0, N_c]``), ties to the earlier entry,
+``-1`` / ``-inf`` padded, by descending score; the reference op's selection
+(:func:`cpkv.backends.reference.indexer.indexer_topk_op`). ``scale`` is ``k_scale`` (fp8
+keys, DeepSeek's per-key fp32 scale; the reference multiplies it into the key before the
+dot, which is the same value up to rounding since ``relu(s x) = s relu(x)`` for ``s > 0``)
+or 1.
+
+The op is :func:`indexer_topk_launches` (a function of its tensors that returns the
+:class:`~cpkv.backends.triton.launches.KernelLaunch` list and the outputs) followed by
+calling the launches: one launch of ``indexer_kernels.indexer_topk_kernel``, plus a copy
+for any input that is not contiguous or not of the kernel's dtype. No ``.item()``, no
+``int()`` of a device tensor: the loop bounds are read on the device, so a layer call is
+capturable in a CUDA graph. :func:`aot_launches` builds the same launches on ``meta``
+tensors of an :class:`~cpkv.backends.triton.launches.AOTCase` for the sm_90a compile report.
+
+Dtypes: q and k both fp16, bf16 or fp32 (fp32 dot products in IEEE precision), or both
+``float8_e4m3fn`` (fp8 tensor cores; fold the queries' scales into ``weights``, as DeepSeek
+does) with ``k_scale`` ``[N_c]`` fp32. Shapes legend: ``T`` query tokens, ``H_I`` indexer
+heads, ``D_I`` indexer dim, ``N_c`` key rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cpkv.backends.triton.launches import AOTCase, KernelLaunch
+
+__all__ = ["IndexerTiles", "aot_launches", "indexer_tiles", "indexer_topk_launches", "indexer_topk_op"]
+
+FP8 = torch.float8_e4m3fn
+SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
+META_SMS = 132  # programs of a meta-tensor (compile-only) launch: an H100/H200's SM count
+
+
+@dataclass(frozen=True)
+class IndexerTiles:
+    """Tile sizes of one indexer launch.
+
+    Attributes:
+        block_t: queries per tile (the MMA's M). block_n: entries per chunk (the MMA's N).
+        block_d: channels (``D_I`` rounded up to a power of two, at least 16).
+        k_pad: best slots per query (``topk`` rounded up to a power of two).
+        sort: scratch slots per query (a power of two, ``>= k_pad + 2 * block_n``).
+        warps, stages: Triton launch options.
+    """
+
+    block_t: int
+    block_n: int
+    block_d: int
+    k_pad: int
+    sort: int
+    warps: int
+    stages: int
+
+
+def _pow2(n: int, low: int = 1) -> int:
+    return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def indexer_tiles(device: torch.device, dim: int, topk: int, block_t: int | None = None, block_n: int | None = None) -> IndexerTiles:
+    """The tiles for a device type: GPU tiles for CUDA and ``meta``, small whole tiles for the CPU interpreter.
+
+    ``block_t`` / ``block_n`` override the defaults (powers of two >= 16; tests use small
+    chunks to run many merges). Raises ``ValueError`` for other overrides.
+    """
+    for name, value in (("block_t", block_t), ("block_n", block_n)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    cpu = device.type == "cpu"  # TRITON_INTERPRET=1: numpy per tile op
+    bt = block_t or (16 if cpu else 64)
+    bn = block_n or (32 if cpu else 128)
+    k_pad = _pow2(topk)
+    return IndexerTiles(bt, bn, _pow2(dim, 16), k_pad, _pow2(k_pad + 2 * bn), 4 if cpu else 8, 1 if cpu else 2)
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    """Persistent programs: every tile on CPU, two per SM on CUDA (a cached host attribute, no sync)."""
+    if device.type == "cuda":
+        return max(1, min(tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(tiles, META_SMS if device.type == "meta" else tiles))
+
+
+def _check(q: Tensor, k: Tensor, k_scale: Tensor | None) -> None:
+    if q.dtype not in SCORE_DTYPES or (k.dtype == FP8) != (q.dtype == FP8) or (q.dtype != FP8 and k.dtype != q.dtype):
+        raise TypeError(f"q and k must share one of {SCORE_DTYPES} (both fp8 or neither), got {q.dtype} and {k.dtype}")
+    if (k_scale is None) == (k.dtype == FP8):
+        raise ValueError("k_scale ([N_c] fp32) is required with float8_e4m3fn keys and only then")
+
+
+def indexer_topk_launches(
+    q: Tensor, k: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tensor, count: Tensor, topk: int,
+    *, block_t: int | None = None, block_n: int | None = None, programs: int | None = None,
+) -> tuple[list[KernelLaunch], Tensor, Tensor]:
+    """The launches of one indexer top-k call and the outputs they fill (nothing runs yet).
+
+    Args:
+        q: [T, H_I, D_I] fp16/bf16/fp32/fp8. k: [N_c, D_I], dtype of q (fp8 with fp8 q).
+        weights: [T, H_I] float. k_scale: [N_c] float (fp8 keys) or None.
+        start, count: [T] int: query ``t`` sees entries ``[start[t], start[t] + count[t])``.
+        topk: entries per query (>= 1). block_t, block_n: tile overrides (:func:`indexer_tiles`).
+        programs: persistent programs (default: two per SM on CUDA, one per query tile
+            elsewhere); each program takes every ``programs``-th tile, reusing its scratch rows.
+
+    Returns:
+        ``(launches, indices [T, topk] int64, scores [T, topk] fp32)``: running the launches
+        fills both outputs (``[]`` when ``T = 0``). Works on ``meta`` tensors (no data is read).
+
+    Raises:
+        TypeError: unsupported or mismatched dtypes. ValueError: k_scale given without fp8
+            keys or missing with them; bad tile overrides.
+    """
+    _check(q, k, k_scale)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    weights = weights.contiguous()
+    num_q, heads, dim = q.shape
+    indices = torch.empty((num_q, topk), dtype=torch.int64, device=q.device)
+    scores = torch.empty((num_q, topk), dtype=torch.float32, device=q.device)
+    if num_q == 0:
+        return [], indices, scores
+    b = indexer_tiles(q.device, dim, topk, block_t, block_n)
+    tiles = -(-num_q // b.block_t)
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    programs = min(programs, tiles) if programs is not None else _programs(q.device, tiles)
+    scratch = torch.empty((programs * b.block_t, b.sort), dtype=torch.int64, device=q.device)
+    scale = k_scale.float().contiguous() if k_scale is not None else scores  # unused without HAS_SCALE
+    from cpkv.backends.triton import indexer_kernels  # lazy: triton is imported only when a kernel runs
+
+    launch = KernelLaunch(
+        name="indexer_topk",
+        kernel=indexer_kernels.indexer_topk_kernel,
+        grid=(programs,),
+        args=(
+            q, k, scale, weights, start.contiguous(), count.contiguous(), scratch, indices, scores,
+            num_q, k.shape[0], heads, dim, topk, tiles,
+            q.stride(0), q.stride(1), k.stride(0), weights.stride(0),
+        ),
+        constexprs={
+            "HAS_SCALE": k_scale is not None, "BLOCK_T": b.block_t, "BLOCK_N": b.block_n, "BLOCK_D": b.block_d,
+            "K_PAD": b.k_pad, "SORT": b.sort, "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+        },
+        num_warps=b.warps,
+        num_stages=b.stages,
+    )
+    return [launch], indices, scores
+
+
+@torch.library.custom_op("cpkv_triton::indexer_topk", mutates_args=())
+def indexer_topk_op(
+    q: Tensor, k: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tensor, count: Tensor, topk: int
+) -> tuple[Tensor, Tensor]:
+    """Top-k lightning-indexer entries in one Triton launch (scores on tensor cores, running top-k per query tile).
+
+    Args:
+        q: [T, H_I, D_I] fp16/bf16/fp32, or fp8 e4m3 (its scales folded into ``weights``).
+        k: [N_c, D_I], dtype of q (fp8 keys with fp8 queries). weights: [T, H_I] float.
+        k_scale: [N_c] float per-key scale of fp8 keys, else None.
+        start, count: [T] int: query ``t`` picks among entries ``[start[t], start[t] + count[t])``,
+            both ends clamped to ``[0, N_c]`` (no key row past k's end is scored).
+        topk: entries per query.
+
+    Returns:
+        ``(indices [T, topk] int64 -1 padded, scores [T, topk] fp32 -inf at padding)``, by
+        descending score, ties to the earlier entry. No autograd, no host sync, no validation
+        beyond dtypes (``TypeError``/``ValueError`` as :func:`indexer_topk_launches`).
+    """
+    launches, indices, scores = indexer_topk_launches(q, k, weights, k_scale, start, count, topk)
+    for launch in launches:
+        launch()
+    return indices, scores
+
+
+@indexer_topk_op.register_fake
+def _(q: Tensor, k: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tensor, count: Tensor,
+      topk: int) -> tuple[Tensor, Tensor]:
+    shape = (q.shape[0], topk)
+    return q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.float32)
+
+
+def aot_launches(case: AOTCase) -> list[KernelLaunch]:
+    """The indexer launches of ``case`` on ``meta`` tensors, for the sm_90a compile report.
+
+    bf16 (and fp16) cases: the fp8 launch (fp8 queries and keys with per-key scales, as
+    DeepSeek scores) and the bf16 one; an fp32 case: the fp32 launch. ``T = case.tokens``
+    queries over ``case.index_rows`` keys, ``H_I = case.index_heads``, ``D_I = case.index_dim``,
+    ``topk = case.index_topk``.
+    """
+    meta = torch.device("meta")
+    num_q, heads, dim, rows = case.tokens, case.index_heads, case.index_dim, case.index_rows
+    start = torch.empty(num_q, dtype=torch.int64, device=meta)
+    count = torch.empty(num_q, dtype=torch.int64, device=meta)
+    weights = torch.empty((num_q, heads), dtype=torch.float32, device=meta)
+    dtypes = [case.dtype] if case.dtype == torch.float32 else [FP8, case.dtype]
+    out: list[KernelLaunch] = []
+    for dtype in dtypes:
+        q = torch.empty((num_q, heads, dim), dtype=dtype, device=meta)
+        k = torch.empty((rows, dim), dtype=dtype, device=meta)
+        scale = torch.empty(rows, dtype=torch.float32, device=meta) if dtype == FP8 else None
+        launches, _, _ = indexer_topk_launches(q, k, weights, scale, start, count, case.index_topk)
+        out += [KernelLaunch(f"indexer_topk {str(dtype).removeprefix('torch.')}", x.kernel, x.grid, x.args,
+                             x.constexprs, x.num_warps, x.num_stages) for x in launches]
+    return out
