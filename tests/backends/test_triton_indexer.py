@@ -209,3 +209,13 @@ def test_fake_matches_the_kernel() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.library.opcheck(indexer_topk_op, (q, k, w, None, s, s + 2, 3), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_scores_only_launch_gives_each_best_score() -> None:
+    """``select=False`` (the benchmarks' scoring-only launch) computes the same scores: its row max is the top-1."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, w = _integer_inputs(gen, 20, 2, 16, 40)
+    start, count = torch.randint(0, 10, (20,), generator=gen), torch.randint(1, 30, (20,), generator=gen)
+    launches, _, scores = indexer_topk_launches(q, k, w, None, start, count, 2, select=False)
+    launches[0]()
+    assert torch.equal(scores[:, 0], ref_topk(q, k, w, start, start + count, 1, 16)[1][:, 0])

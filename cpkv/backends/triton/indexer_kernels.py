@@ -69,7 +69,7 @@ def indexer_topk_kernel(
     T, N, HI, DI, TOPK, num_tiles,
     stride_qt, stride_qh, stride_kn, stride_wt,
     HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    K_PAD: tl.constexpr, SORT: tl.constexpr, PREC: tl.constexpr,
+    K_PAD: tl.constexpr, SORT: tl.constexpr, PREC: tl.constexpr, SELECT: tl.constexpr = True,
 ):
     """Top-``TOPK`` entries of ``I[t, j] = scale[j] * sum_h w[t, h] relu(q[t, h] . k[j])`` over ``[start, start + count)``.
 
@@ -81,7 +81,8 @@ def indexer_topk_kernel(
     weight. ``scale`` (``HAS_SCALE``: fp8 keys, one fp32 scale per key) multiplies the head
     sum. ``buf`` is ``[P * BLOCK_T, SORT]`` int64 scratch (no initial value); outputs
     ``idx`` ``[T, TOPK]`` int64 (-1 padded) and ``score`` ``[T, TOPK]`` fp32 (-inf at padding),
-    by descending score. Grid ``(P,)``.
+    by descending score. Grid ``(P,)``. ``SELECT=False`` (benchmarks only: the cost of the
+    scores alone) skips the selection and writes each query's best score to ``score[t, 0]``.
     """
     pid = tl.program_id(0)
     CAP: tl.constexpr = SORT - K_PAD
@@ -107,6 +108,7 @@ def indexer_topk_kernel(
         theta_hi = tl.full([BLOCK_T], -2147483648, tl.int32)  # EMPTY's halves: below every real key
         theta_lo = tl.full([BLOCK_T], 1, tl.int32)
         count = tl.zeros([BLOCK_T], tl.int32)
+        best = tl.full([BLOCK_T], float("-inf"), tl.float32)
         for j0 in range(lo, hi, BLOCK_N):
             j = j0 + offs_n
             k_blk = tl.make_block_ptr(k_ptr, (N, DI), (stride_kn, 1), (j0, 0), (BLOCK_N, BLOCK_D), (1, 0))
@@ -120,37 +122,43 @@ def indexer_topk_kernel(
                 acc += wh[:, None] * tl.maximum(tl.dot(qh, tl.trans(kc), input_precision=PREC), 0.0)
             if HAS_SCALE:
                 acc = acc * tl.load(ks_ptr + j, mask=j < hi, other=0.0)[None, :]
-            hi_bits = _score_bits(acc)
-            lo_bits = 0x7FFFFFFF - j[None, :]
             seen = (j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])
-            cand = seen & ((hi_bits > theta_hi[:, None]) | ((hi_bits == theta_hi[:, None]) & (lo_bits > theta_lo[:, None])))
-            num_cand = tl.sum(cand.to(tl.int32), 1)
-            if tl.max(num_cand, 0) > 0:  # rare once the thresholds settle: 64-bit keys only here
-                pos = count[:, None] + tl.cumsum(cand.to(tl.int32), 1) - 1
-                keys = (hi_bits.to(tl.int64) << 32) + lo_bits.to(tl.int64)
-                tl.store(buf_rows[:, None] + K_PAD + pos, keys, mask=cand)
-                count += num_cand
-            if tl.max(count, 0) > CAP - BLOCK_N:  # some query's candidates may not fit the next chunk
-                tl.debug_barrier()
-                for r in range(BLOCK_T):
-                    count_r = tl.sum(tl.where(rows == r, count, 0), 0)
-                    if count_r > CAP - BLOCK_N:
-                        row_ptr = buf_ptr + (pid * BLOCK_T + r).to(tl.int64) * SORT
-                        theta_r = _merge_row(row_ptr, count_r, TOPK, K_PAD, SORT)
-                        theta_rhi = (theta_r >> 32).to(tl.int32)
-                        theta_hi = tl.where(rows == r, theta_rhi, theta_hi)
-                        theta_lo = tl.where(rows == r, (theta_r - (theta_rhi.to(tl.int64) << 32)).to(tl.int32), theta_lo)
-                        count = tl.where(rows == r, 0, count)
+            if not SELECT:
+                best = tl.maximum(best, tl.max(tl.where(seen, acc, float("-inf")), 1))
+            else:
+                hi_bits = _score_bits(acc)
+                lo_bits = 0x7FFFFFFF - j[None, :]
+                cand = seen & ((hi_bits > theta_hi[:, None]) | ((hi_bits == theta_hi[:, None]) & (lo_bits > theta_lo[:, None])))
+                num_cand = tl.sum(cand.to(tl.int32), 1)
+                if tl.max(num_cand, 0) > 0:  # rare once the thresholds settle: 64-bit keys only here
+                    pos = count[:, None] + tl.cumsum(cand.to(tl.int32), 1) - 1
+                    keys = (hi_bits.to(tl.int64) << 32) + lo_bits.to(tl.int64)
+                    tl.store(buf_rows[:, None] + K_PAD + pos, keys, mask=cand)
+                    count += num_cand
+                if tl.max(count, 0) > CAP - BLOCK_N:  # some query's candidates may not fit the next chunk
+                    tl.debug_barrier()
+                    for r in range(BLOCK_T):
+                        count_r = tl.sum(tl.where(rows == r, count, 0), 0)
+                        if count_r > CAP - BLOCK_N:
+                            row_ptr = buf_ptr + (pid * BLOCK_T + r).to(tl.int64) * SORT
+                            theta_r = _merge_row(row_ptr, count_r, TOPK, K_PAD, SORT)
+                            theta_rhi = (theta_r >> 32).to(tl.int32)
+                            theta_hi = tl.where(rows == r, theta_rhi, theta_hi)
+                            theta_lo = tl.where(rows == r, (theta_r - (theta_rhi.to(tl.int64) << 32)).to(tl.int32), theta_lo)
+                            count = tl.where(rows == r, 0, count)
         tl.debug_barrier()
-        for r in range(BLOCK_T):  # final merge and decode, one query at a time
-            t = (num_tiles - 1 - i) * BLOCK_T + r
-            if t < T:
-                row_ptr = buf_ptr + (pid * BLOCK_T + r).to(tl.int64) * SORT
-                count_r = tl.sum(tl.where(rows == r, count, 0), 0)
-                keys = tl.load(row_ptr + slots, mask=slots < K_PAD + count_r, other=EMPTY)
-                keys = tl.sort(keys, descending=True)
-                entry, score = _decode(keys)
-                out = t.to(tl.int64) * TOPK + slots
-                tl.store(idx_ptr + out, entry, mask=slots < TOPK)
-                tl.store(score_ptr + out, score, mask=slots < TOPK)
+        if not SELECT:
+            tl.store(score_ptr + t64 * TOPK, best, mask=mask_t)
+        else:
+            for r in range(BLOCK_T):  # final merge and decode, one query at a time
+                t = (num_tiles - 1 - i) * BLOCK_T + r
+                if t < T:
+                    row_ptr = buf_ptr + (pid * BLOCK_T + r).to(tl.int64) * SORT
+                    count_r = tl.sum(tl.where(rows == r, count, 0), 0)
+                    keys = tl.load(row_ptr + slots, mask=slots < K_PAD + count_r, other=EMPTY)
+                    keys = tl.sort(keys, descending=True)
+                    entry, score = _decode(keys)
+                    out = t.to(tl.int64) * TOPK + slots
+                    tl.store(idx_ptr + out, entry, mask=slots < TOPK)
+                    tl.store(score_ptr + out, score, mask=slots < TOPK)
         tl.debug_barrier()  # the next tile reuses the scratch rows

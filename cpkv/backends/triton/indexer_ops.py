@@ -98,7 +98,7 @@ def _check(q: Tensor, k: Tensor, k_scale: Tensor | None) -> None:
 
 def indexer_topk_launches(
     q: Tensor, k: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tensor, count: Tensor, topk: int,
-    *, block_t: int | None = None, block_n: int | None = None, programs: int | None = None,
+    *, block_t: int | None = None, block_n: int | None = None, programs: int | None = None, select: bool = True,
 ) -> tuple[list[KernelLaunch], Tensor, Tensor]:
     """The launches of one indexer top-k call and the outputs they fill (nothing runs yet).
 
@@ -109,6 +109,8 @@ def indexer_topk_launches(
         topk: entries per query (>= 1). block_t, block_n: tile overrides (:func:`indexer_tiles`).
         programs: persistent programs (default: two per SM on CUDA, one per query tile
             elsewhere); each program takes every ``programs``-th tile, reusing its scratch rows.
+        select: False runs the scores without the selection (benchmarks: the selection's share
+            of the time); ``scores[:, 0]`` is then each query's best visible score, the rest unset.
 
     Returns:
         ``(launches, indices [T, topk] int64, scores [T, topk] fp32)``: running the launches
@@ -148,6 +150,7 @@ def indexer_topk_launches(
         constexprs={
             "HAS_SCALE": k_scale is not None, "BLOCK_T": b.block_t, "BLOCK_N": b.block_n, "BLOCK_D": b.block_d,
             "K_PAD": b.k_pad, "SORT": b.sort, "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+            "SELECT": select,
         },
         num_warps=b.warps,
         num_stages=b.stages,
