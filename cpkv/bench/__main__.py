@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from cpkv.bench.balance import pad_for_zigzag, rank_work
+from cpkv.bench.indexer import main as indexer_main
 from cpkv.bench.memory import LayerDims, layer_memory
 from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
 from cpkv.bench.traffic import Dims, Traffic, layer_traffic, lognormal_cu_seqlens, need_plan, physical_limit
@@ -379,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success."""
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["indexer"]:  # python -m cpkv.bench indexer [...]
+        return indexer_main((sys.argv[1:] if argv is None else argv)[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
