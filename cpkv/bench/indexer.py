@@ -66,9 +66,9 @@ class IndexerWork:
         return self.executed_pairs * self.heads * self.dim * 2
 
 
-class _Counter(TorchDispatchMode):
+class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.kernels = 0
         self.syncs = 0
 
