@@ -38,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk  # noqa: E402
-from cpkv.backends.triton.indexer_ops import indexer_topk_launches  # noqa: E402
-from cpkv.index_keys import FP8_MAX  # noqa: E402
+from cpkv.backends.triton.indexer_ops import fp8_rows, indexer_topk_launches  # noqa: E402
 from cpkv.plan.attention import plan_attention  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -67,13 +66,6 @@ def _plan(shape: Shape, device: torch.device) -> tuple[Any, Any]:
     return plan.segments, visible
 
 
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 e4m3 payload and fp32 scale per row of the last dim (``amax / 448``, DeepSeek's format)."""
-    amax = x.float().abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x.float() / scale).to(FP8), scale.squeeze(-1)
-
-
 def _inputs(shape: Shape, num_q: int, num_c: int, device: torch.device, dtype: str) -> dict[str, Any]:
     """Kernel inputs and their fp32 dequantized values (the reference's inputs)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -81,8 +73,8 @@ def _inputs(shape: Shape, num_q: int, num_c: int, device: torch.device, dtype: s
     k = torch.randn(num_c, shape.dim, device=device, generator=gen)
     w = torch.rand(num_q, shape.heads, device=device, generator=gen) * (shape.heads * shape.dim) ** -0.5
     if dtype == "fp8":
-        q8, q_scale = _quantize(q)  # per (query, head): folded into the weights
-        k8, k_scale = _quantize(k)
+        q8, q_scale = fp8_rows(q)  # per (query, head): folded into the weights
+        k8, k_scale = fp8_rows(k)
         return {"q": q8, "k": k8, "w": w * q_scale, "k_scale": k_scale,
                 "ref": (q8.float() * q_scale[..., None], k8.float() * k_scale[:, None], w)}
     low = torch.float32 if device.type == "cpu" else torch.bfloat16

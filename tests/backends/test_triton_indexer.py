@@ -219,3 +219,15 @@ def test_scores_only_launch_gives_each_best_score() -> None:
     launches, _, scores = indexer_topk_launches(q, k, w, None, start, count, 2, select=False)
     launches[0]()
     assert torch.equal(scores[:, 0], ref_topk(q, k, w, start, start + count, 1, 16)[1][:, 0])
+
+
+def test_fp8_rows_is_the_index_key_rounding() -> None:
+    """``fp8_rows`` (what fp8 scoring feeds the kernel) dequantizes to exactly ``round_index_keys(x, fp8)``."""
+    from cpkv.backends.triton.indexer_ops import fp8_rows
+    from cpkv.index_keys import round_index_keys
+
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 3, 9)[:, None]
+    x[4] = 0.0
+    payload, scale = fp8_rows(x)
+    assert payload.dtype == torch.float8_e4m3fn and scale.shape == (9,)
+    assert torch.equal(payload.float() * scale[:, None], round_index_keys(x, torch.float8_e4m3fn))

@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 
 from cpkv.backends.triton.launches import AOTCase, KernelLaunch
+from cpkv.index_keys import FP8_MAX
 
-__all__ = ["IndexerTiles", "aot_launches", "indexer_tiles", "indexer_topk_launches", "indexer_topk_op"]
+__all__ = ["IndexerTiles", "aot_launches", "fp8_rows", "indexer_tiles", "indexer_topk_launches", "indexer_topk_op"]
 
 FP8 = torch.float8_e4m3fn
 SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
@@ -87,6 +88,24 @@ def _programs(device: torch.device, tiles: int) -> int:
     if device.type == "cuda":
         return max(1, min(tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(tiles, META_SMS if device.type == "meta" else tiles))
+
+
+def fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp8 e4m3 payload and fp32 scale per row of the last dim: ``scale = amax(|x|) / 448`` (1 for a zero row).
+
+    DeepSeek's format, as :mod:`cpkv.index_keys` rounds the keys: ``payload * scale`` is that
+    rounding. For queries ``[T, H_I, D_I]`` the scales ``[T, H_I]`` fold into the weights
+    (``weights * scale``) before :func:`indexer_topk_op` (exact: ``relu(s x) = s relu(x)``, ``s > 0``).
+
+    Args:
+        x: float tensor ``[..., D]``.
+
+    Returns:
+        ``(payload [..., D] float8_e4m3fn, scale [...] fp32)``.
+    """
+    amax = x.detach().float().abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.detach().float() / scale).to(FP8), scale.squeeze(-1)
 
 
 def _check(q: Tensor, k: Tensor, k_scale: Tensor | None) -> None:
