@@ -109,7 +109,7 @@ def indexer_work(cu_seqlens: Tensor, cp: int, rank: int, *, ratio: int = 4, head
     visible = plan.segments.visible_for(ratio)
     start, count = visible.visible_start.cpu(), visible.visible_count.cpu()
     num_q, num_c = int(start.numel()), visible.num_entries
-    tiles = indexer_tiles(torch.device("meta"), dim, topk)
+    tiles = indexer_tiles(torch.device("meta"), dim, topk, dtype=dtype)
     meta = torch.device("meta")
     q = torch.empty((num_q, heads, dim), dtype=dtype, device=meta)
     k = torch.empty((num_c, dim), dtype=dtype, device=meta)

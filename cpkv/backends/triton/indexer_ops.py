@@ -67,20 +67,29 @@ def _pow2(n: int, low: int = 1) -> int:
     return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def indexer_tiles(device: torch.device, dim: int, topk: int, block_t: int | None = None, block_n: int | None = None) -> IndexerTiles:
-    """The tiles for a device type: GPU tiles for CUDA and ``meta``, small whole tiles for the CPU interpreter.
+def indexer_tiles(
+    device: torch.device, dim: int, topk: int, block_t: int | None = None, block_n: int | None = None,
+    *, dtype: torch.dtype = torch.bfloat16,
+) -> IndexerTiles:
+    """The tiles for a device type and score dtype.
 
-    ``block_t`` / ``block_n`` override the defaults (powers of two >= 16; tests use small
-    chunks to run many merges). Raises ``ValueError`` for other overrides.
+    CUDA and ``meta``: 64 x 128 tiles on 8 warps for fp8/bf16/fp16 (wgmma), 32 x 32 on 4 warps
+    for fp32 (IEEE dot products on CUDA cores: bigger tiles spill); the CPU interpreter: 16 x 32.
+    ``block_t`` / ``block_n`` override them (powers of two >= 16; tests use small chunks to run
+    many merges). Raises ``ValueError`` for other overrides.
     """
     for name, value in (("block_t", block_t), ("block_n", block_n)):
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    cpu = device.type == "cpu"  # TRITON_INTERPRET=1: numpy per tile op
-    bt = block_t or (16 if cpu else 64)
-    bn = block_n or (32 if cpu else 128)
+    if device.type == "cpu":  # TRITON_INTERPRET=1: numpy per tile op
+        bt, bn, warps, stages = 16, 32, 4, 1
+    elif dtype == torch.float32:
+        bt, bn, warps, stages = 32, 32, 4, 2
+    else:
+        bt, bn, warps, stages = 64, 128, 8, 2
+    bt, bn = block_t or bt, block_n or bn
     k_pad = _pow2(topk)
-    return IndexerTiles(bt, bn, _pow2(dim, 16), k_pad, _pow2(k_pad + 2 * bn), 4 if cpu else 8, 1 if cpu else 2)
+    return IndexerTiles(bt, bn, _pow2(dim, 16), k_pad, _pow2(k_pad + 2 * bn), warps, stages)
 
 
 def _programs(device: torch.device, tiles: int) -> int:
@@ -148,7 +157,7 @@ def indexer_topk_launches(
     scores = torch.empty((num_q, topk), dtype=torch.float32, device=q.device)
     if num_q == 0:
         return [], indices, scores
-    b = indexer_tiles(q.device, dim, topk, block_t, block_n)
+    b = indexer_tiles(q.device, dim, topk, block_t, block_n, dtype=q.dtype)
     tiles = -(-num_q // b.block_t)
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
