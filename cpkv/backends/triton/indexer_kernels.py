@@ -156,7 +156,8 @@ def indexer_topk_kernel(
                     row_ptr = buf_ptr + (pid * BLOCK_T + r).to(tl.int64) * SORT
                     count_r = tl.sum(tl.where(rows == r, count, 0), 0)
                     keys = tl.load(row_ptr + slots, mask=slots < K_PAD + count_r, other=EMPTY)
-                    keys = tl.sort(keys, descending=True)
+                    if count_r > 0:  # else the best slots are sorted already (by the last merge, or all EMPTY)
+                        keys = tl.sort(keys, descending=True)
                     entry, score = _decode(keys)
                     out = t.to(tl.int64) * TOPK + slots
                     tl.store(idx_ptr + out, entry, mask=slots < TOPK)

@@ -74,7 +74,7 @@ def indexer_tiles(
     """The tiles for a device type and score dtype.
 
     CUDA and ``meta``: 64 x 128 tiles on 8 warps for fp8/bf16/fp16 (wgmma), 32 x 32 on 4 warps
-    for fp32 (IEEE dot products on CUDA cores: bigger tiles spill); the CPU interpreter: 16 x 32.
+    for fp32 (IEEE dot products on CUDA cores: bigger tiles spill); the CPU interpreter: 16 x 16.
     ``block_t`` / ``block_n`` override them (powers of two >= 16; tests use small chunks to run
     many merges). Raises ``ValueError`` for other overrides.
     """
@@ -82,7 +82,7 @@ def indexer_tiles(
         if value is not None and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if device.type == "cpu":  # TRITON_INTERPRET=1: numpy per tile op
-        bt, bn, warps, stages = 16, 32, 4, 1
+        bt, bn, warps, stages = 16, 16, 4, 1
     elif dtype == torch.float32:
         bt, bn, warps, stages = 32, 32, 4, 2
     else:
