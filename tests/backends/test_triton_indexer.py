@@ -182,15 +182,18 @@ def test_aot_launches_build_on_meta_tensors() -> None:
     """The compile report's launches: fp8 (with key scales) and bf16 for a bf16 case, fp32 for fp32, GPU tiles."""
     case = AOTCase("V4", torch.bfloat16, 8192, 10240, 64, 512, 512, 640, 64, 128, 512, 2048)
     launches = aot_launches(case)
-    assert [x.name for x in launches] == ["indexer_topk float8_e4m3fn", "indexer_topk bfloat16"]
-    fp8, bf16 = launches
+    names = ["indexer_topk float8_e4m3fn", "indexer_topk bfloat16", "indexer_selected_scores", "indexer_selected_grads"]
+    assert [x.name for x in launches] == names
+    fp8, bf16 = launches[:2]
+    assert all(x.args[0].dtype == torch.bfloat16 for x in launches[1:])
     assert fp8.args[0].dtype == torch.float8_e4m3fn and fp8.args[0].device.type == "meta"
     assert fp8.constexprs["HAS_SCALE"] and not bf16.constexprs["HAS_SCALE"]
     runtime = [n for n in fp8.kernel.arg_names if n not in fp8.constexprs]
     assert len(runtime) == len(fp8.args)
     tiles = indexer_tiles(torch.device("meta"), 128, 512)
     assert (fp8.constexprs["BLOCK_T"], fp8.constexprs["BLOCK_N"], fp8.constexprs["SORT"]) == (tiles.block_t, tiles.block_n, 1024)
-    (f32,) = aot_launches(AOTCase("fp32", torch.float32, 64, 80, 4, 64, 64, 16, 4, 32, 16, 64))
+    f32, *kl = aot_launches(AOTCase("fp32", torch.float32, 64, 80, 4, 64, 64, 16, 4, 32, 16, 64))
+    assert [x.name for x in kl] == names[2:]
     assert f32.args[0].dtype == torch.float32 and f32.constexprs["PREC"] == "ieee"
 
 
@@ -231,3 +234,46 @@ def test_fp8_rows_is_the_index_key_rounding() -> None:
     payload, scale = fp8_rows(x)
     assert payload.dtype == torch.float8_e4m3fn and scale.shape == (9,)
     assert torch.equal(payload.float() * scale[:, None], round_index_keys(x, torch.float8_e4m3fn))
+
+
+def _kl_inputs(integer: bool) -> tuple[Tensor, ...]:
+    gen = torch.Generator().manual_seed(8)
+    num_q, heads, dim, num_k, width = 6, 3, 16, 11, 40  # K = 40: two 32-entry chunks in the gradient kernel
+    if integer:
+        q, k, w = _integer_inputs(gen, num_q, heads, dim, num_k)
+    else:
+        q, k, w = torch.randn(num_q, heads, dim, generator=gen), torch.randn(num_k, dim, generator=gen), torch.randn(num_q, heads, generator=gen)
+    sel = torch.randint(0, num_k, (num_q, width), generator=gen)
+    sel[0] = -1  # a query without selection
+    sel[1, ::3] = -1
+    sel[2, 5], sel[3, 7] = num_k, -4  # outside [0, N_c): padding too
+    target = torch.rand(num_q, width, generator=gen) * (sel >= 0) * (sel < num_k)
+    target = target / target.sum(1, keepdim=True).clamp_min(1e-30)
+    return q, k, w, sel, target
+
+
+@pytest.mark.parametrize("integer", [True, False], ids=["integers", "random"])
+def test_kl_path_matches_the_torch_ops(integer: bool) -> None:
+    """Scores, loss and gradients of the KL path's kernels against ``cpkv.indexer_loss``'s torch ops (fp32).
+
+    Integer scores are exact; the loss and gradients go through exp/log: ``1e-5`` relative to the
+    largest magnitude (fp32 ulps over <= 40 terms; dk sums up to 40 terms per row).
+    """
+    from cpkv.backends.triton.indexer_ops import indexer_kl_backward, indexer_kl_forward, selected_scores_op
+    from cpkv.indexer_loss import indexer_kl_backward_op, indexer_kl_op, selected_index_scores
+
+    q, k, w, sel, target = _kl_inputs(integer)
+    clean = torch.where((sel >= 0) & (sel < k.shape[0]), sel, -1)
+    scores = selected_scores_op(q, k, w, sel)
+    want = selected_index_scores(q, k, w, clean)
+    if integer:
+        assert torch.equal(scores, want)
+    else:
+        _close(scores, want, 1e-5)
+    loss = indexer_kl_forward(q, k, w, sel, target)
+    want_loss = indexer_kl_op(q, k, w, clean, target, 0.5)[0]
+    _close(loss.reshape(1), want_loss.reshape(1), 1e-5)
+    got = indexer_kl_backward(q, k, w, sel, target, 0.5)
+    for g, r in zip(got, indexer_kl_backward_op(q, k, w, clean, target, 0.5)):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        _close(g, r, 1e-5)

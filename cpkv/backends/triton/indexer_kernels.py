@@ -163,3 +163,76 @@ def indexer_topk_kernel(
                     tl.store(idx_ptr + out, entry, mask=slots < TOPK)
                     tl.store(score_ptr + out, score, mask=slots < TOPK)
         tl.debug_barrier()  # the next tile reuses the scratch rows
+
+
+@triton.jit
+def indexer_selected_scores_kernel(
+    q_ptr, k_ptr, w_ptr, sel_ptr, out_ptr,
+    N, H, DI, K,
+    stride_qt, stride_qh, stride_kn, stride_wt, stride_st,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """out[t, k] = sum_h w[t, h] relu(q[t, h] . k[sel[t, k]]), -inf where ``sel`` is outside ``[0, N)``.
+
+    One program per (query, chunk of ``BLOCK_K`` selected entries): the heads are the MMA's
+    M dimension over the gathered keys. ``out`` is ``[T, K]`` fp32 contiguous. Grid
+    ``(T, cdiv(K, BLOCK_K))``.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < DI
+    rows = tl.load(sel_ptr + t * stride_st + kk, mask=kk < K, other=-1)
+    valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded
+    keys = tl.load(k_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                   mask=valid[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    dots = tl.dot(q, tl.trans(keys), input_precision=PREC)
+    scores = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+    tl.store(out_ptr + t * K + kk, tl.where(valid, scores, float("-inf")), mask=kk < K)
+
+
+@triton.jit
+def indexer_selected_grads_kernel(
+    q_ptr, k_ptr, w_ptr, sel_ptr, ds_ptr, dq_ptr, dk_ptr, dw_ptr,
+    N, H, DI, K,
+    stride_qt, stride_qh, stride_kn, stride_wt, stride_st,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """Gradients of ``sum_{t, k} ds[t, k] * I[t, k]`` (``I`` as above) w.r.t. q, k and w, in fp32.
+
+    ``ds`` ``[T, K]`` fp32 contiguous (0 at padding). One program per query: over chunks of
+    its selection, ``d_dots = ds * w * (dots > 0)``; ``dq[t] = d_dots . keys``,
+    ``dw[t, h] = sum_k ds * relu(dots)`` (stored, ``[T, H]`` and ``[T, H, D]`` contiguous) and
+    ``dk[sel] += d_dots^T . q[t]`` with fp32 atomics (``[N, D]`` contiguous; padding adds
+    nothing). Grid ``(T,)``.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < DI
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    dw = tl.zeros([BLOCK_H], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        rows = tl.load(sel_ptr + t * stride_st + kk, mask=kk < K, other=-1)
+        valid = (rows >= 0) & (rows < N)
+        safe = tl.where(valid, rows, 0).to(tl.int64)
+        keys = tl.load(k_ptr + safe[:, None] * stride_kn + offs_d[None, :],
+                       mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        ds = tl.load(ds_ptr + t * K + kk, mask=(kk < K) & valid, other=0.0)
+        dots = tl.dot(q, tl.trans(keys), input_precision=PREC)
+        dw += tl.sum(ds[None, :] * tl.maximum(dots, 0.0), 1)
+        d_dots = tl.where(dots > 0, ds[None, :] * w[:, None], 0.0)
+        dq += tl.dot(d_dots, keys, input_precision=PREC)
+        dk = tl.dot(tl.trans(d_dots), q, input_precision=PREC)
+        tl.atomic_add(dk_ptr + safe[:, None] * DI + offs_d[None, :], dk, mask=valid[:, None] & mask_d[None, :],
+                      sem="relaxed")
+    tl.store(dq_ptr + t * H * DI + offs_h[:, None] * DI + offs_d[None, :], dq, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(dw_ptr + t * H + offs_h, dw, mask=mask_h)

@@ -34,8 +34,12 @@ from torch import Tensor
 
 from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 from cpkv.index_keys import FP8_MAX
+from cpkv.indexer_loss import kl_terms
 
-__all__ = ["IndexerTiles", "aot_launches", "fp8_rows", "indexer_tiles", "indexer_topk_launches", "indexer_topk_op"]
+__all__ = [
+    "IndexerTiles", "aot_launches", "fp8_rows", "indexer_kl_backward", "indexer_kl_forward", "indexer_tiles",
+    "indexer_topk_launches", "indexer_topk_op", "selected_grads_op", "selected_launches", "selected_scores_op",
+]
 
 FP8 = torch.float8_e4m3fn
 SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
@@ -218,11 +222,112 @@ def _(q: Tensor, k: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tens
     return q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.float32)
 
 
+def selected_launches(
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor | None = None,
+) -> tuple[list[KernelLaunch], tuple[Tensor, ...]]:
+    """Launches of the indexer KL path's kernels over the selected entries, and the outputs they fill.
+
+    ``d_scores`` None: ``indexer_selected_scores_kernel``, output ``(scores [T, K] fp32,)``
+    (``-inf`` at padding). Else ``[T, K]`` fp32 upstream gradients of those scores:
+    ``indexer_selected_grads_kernel``, outputs ``(dq [T, H_I, D_I], dk [N_c, D_I], dw [T, H_I])``
+    fp32 (dk zeroed: one memset, then fp32 atomics). q: [T, H_I, D_I], k: [N_c, D_I] (dtype
+    of q), weights: [T, H_I], selected: [T, K] int (outside ``[0, N_c)``: padding). Works on
+    ``meta`` tensors. Raises ``TypeError`` when k's dtype is not q's.
+    """
+    if k.dtype != q.dtype or q.dtype not in SCORE_DTYPES[:3]:
+        raise TypeError(f"q and k must share one of {SCORE_DTYPES[:3]}, got {q.dtype} and {k.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k, weights, selected = k.contiguous(), weights.contiguous(), selected.contiguous()
+    (num_q, heads, dim), width = q.shape, selected.shape[1]
+    cpu = q.device.type == "cpu"
+    block_h, block_d = _pow2(heads, 16), _pow2(dim, 16)
+    block_k = 32 if cpu or q.dtype == torch.float32 else 64
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    constexprs = {"BLOCK_H": block_h, "BLOCK_K": block_k, "BLOCK_D": block_d, "PREC": prec}
+    shape_args = (k.shape[0], heads, dim, width, q.stride(0), q.stride(1), k.stride(0), weights.stride(0), selected.stride(0))
+    from cpkv.backends.triton import indexer_kernels  # lazy: triton is imported only when a kernel runs
+
+    if d_scores is None:
+        scores = torch.empty((num_q, width), dtype=torch.float32, device=q.device)
+        if num_q == 0 or width == 0:
+            return [], (scores,)
+        launch = KernelLaunch("indexer_selected_scores", indexer_kernels.indexer_selected_scores_kernel,
+                              (num_q, -(-width // block_k)), (q, k, weights, selected, scores, *shape_args),
+                              constexprs, 4 if cpu else 8)
+        return [launch], (scores,)
+    dq = torch.empty((num_q, heads, dim), dtype=torch.float32, device=q.device)
+    dk = torch.zeros((k.shape[0], dim), dtype=torch.float32, device=q.device)
+    dw = torch.empty((num_q, heads), dtype=torch.float32, device=q.device)
+    if num_q == 0 or width == 0:
+        return [], (dq.zero_(), dk, dw.zero_())
+    ds = d_scores.float().contiguous()
+    launch = KernelLaunch("indexer_selected_grads", indexer_kernels.indexer_selected_grads_kernel, (num_q,),
+                          (q, k, weights, selected, ds, dq, dk, dw, *shape_args), constexprs, 4 if cpu else 8)
+    return [launch], (dq, dk, dw)
+
+
+@torch.library.custom_op("cpkv_triton::indexer_selected_scores", mutates_args=())
+def selected_scores_op(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor) -> Tensor:
+    """``I[t, k] = sum_h weights[t, h] relu(q[t, h] . k[selected[t, k]])`` ``[T, K]`` fp32, -inf at padding (Triton)."""
+    launches, (scores,) = selected_launches(q, k, weights, selected)
+    for launch in launches:
+        launch()
+    return scores
+
+
+@selected_scores_op.register_fake
+def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor) -> Tensor:
+    return q.new_empty(selected.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("cpkv_triton::indexer_selected_grads", mutates_args=())
+def selected_grads_op(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``sum(d_scores * I)`` w.r.t. q, k, weights (their dtypes), ``I`` as :func:`selected_scores_op`."""
+    launches, (dq, dk, dw) = selected_launches(q, k, weights, selected, d_scores)
+    for launch in launches:
+        launch()
+    return dq.to(q.dtype), dk.to(k.dtype), dw.to(weights.dtype)
+
+
+@selected_grads_op.register_fake
+def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights)
+
+
+def indexer_kl_forward(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor) -> Tensor:
+    """``sum_t KL(target_t || softmax(I_t))`` (0-d fp32) over the selection, scores from :func:`selected_scores_op`.
+
+    The value of ``cpkv.indexer_loss.indexer_kl_op``'s loss; ``[T, K]`` intermediates only.
+    Entries of ``selected`` outside ``[0, N_c)`` are padding (``target`` must be 0 there).
+    """
+    scores = selected_scores_op(q, k, weights, selected)
+    kl, _ = kl_terms(scores, target.float(), (selected >= 0) & (selected < k.shape[0]))
+    return kl.sum()
+
+
+def indexer_kl_backward(
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``grad_factor * sum_t KL_t`` w.r.t. q, k, weights: ``cpkv.indexer_loss.indexer_kl_backward_op``'s.
+
+    ``dI = (softmax(I_t) - target) * grad_factor`` on valid entries (``[T, K]``), then one
+    Triton launch for dq, dw and the fp32 atomic dk (the summation order of dk varies run to run).
+    """
+    scores = selected_scores_op(q, k, weights, selected)
+    valid = (selected >= 0) & (selected < k.shape[0])  # any other index is padding, as in the kernels
+    tgt = target.float()
+    _, pred = kl_terms(scores, tgt, valid)
+    d_scores = torch.where(valid, (pred - tgt) * grad_factor, 0.0)
+    grads: tuple[Tensor, Tensor, Tensor] = selected_grads_op(q, k, weights, selected, d_scores)
+    return grads
+
+
 def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     """The indexer launches of ``case`` on ``meta`` tensors, for the sm_90a compile report.
 
-    bf16 (and fp16) cases: the fp8 launch (fp8 queries and keys with per-key scales, as
-    DeepSeek scores) and the bf16 one; an fp32 case: the fp32 launch. ``T = case.tokens``
+    bf16 (and fp16) cases: the top-k's fp8 launch (fp8 queries and keys with per-key scales,
+    as DeepSeek scores) and its bf16 one; an fp32 case: the fp32 launch. Then the KL path's
+    two launches (selected scores, their gradients) in the case's dtype. ``T = case.tokens``
     queries over ``case.index_rows`` keys, ``H_I = case.index_heads``, ``D_I = case.index_dim``,
     ``topk = case.index_topk``.
     """
@@ -240,4 +345,9 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
         launches, _, _ = indexer_topk_launches(q, k, weights, scale, start, count, case.index_topk)
         out += [KernelLaunch(f"indexer_topk {str(dtype).removeprefix('torch.')}", x.kernel, x.grid, x.args,
                              x.constexprs, x.num_warps, x.num_stages) for x in launches]
+    q = torch.empty((num_q, heads, dim), dtype=case.dtype, device=meta)
+    k = torch.empty((rows, dim), dtype=case.dtype, device=meta)
+    selected = torch.empty((num_q, case.index_topk), dtype=torch.int64, device=meta)
+    d_scores = torch.empty((num_q, case.index_topk), dtype=torch.float32, device=meta)
+    out += selected_launches(q, k, weights, selected)[0] + selected_launches(q, k, weights, selected, d_scores)[0]
     return out
