@@ -277,3 +277,38 @@ def test_kl_path_matches_the_torch_ops(integer: bool) -> None:
     for g, r in zip(got, indexer_kl_backward_op(q, k, w, clean, target, 0.5)):
         assert g.shape == r.shape and g.dtype == r.dtype
         _close(g, r, 1e-5)
+
+
+def test_backend_layer_call_is_one_op_and_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CUDABackend.indexer_topk``: around the op only detaches (no copy, no sync), inside it one kernel launch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cpkv.backends.cuda import CUDABackend
+    from cpkv.backends.reference import ReferenceBackend
+    from cpkv.backends.triton.launches import KernelLaunch
+    from cpkv.plan.segments import plan_segments
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    launched: list[str] = []
+    run = KernelLaunch.__call__
+    monkeypatch.setattr(KernelLaunch, "__call__", lambda self: (launched.append(self.name), run(self))[1])
+    cu = torch.tensor([0, 14, 40])
+    segments = plan_segments(cu, cu, compress_ratios=[4])
+    visible = segments.visible_for(4)
+    gen = torch.Generator().manual_seed(9)
+    q, w = torch.randn(40, 2, 16, generator=gen), torch.rand(40, 2, generator=gen)
+    k = torch.randn(visible.num_entries, 16, generator=gen)
+    ops = Ops()
+    with ops:
+        got = CUDABackend(triton_kernels=True).indexer_topk(q, k, w, segments, visible, topk=4)
+    assert ops.names == ["aten.detach"] * 3 + ["cpkv_triton.indexer_topk"]
+    assert launched == ["indexer_topk"]
+    assert torch.equal(got, ReferenceBackend().indexer_topk(q, k, w, segments, visible, topk=4))
