@@ -137,7 +137,7 @@ def indexer_topk_launches(
     Args:
         q: [T, H_I, D_I] fp16/bf16/fp32/fp8. k: [N_c, D_I], dtype of q (fp8 with fp8 q).
         weights: [T, H_I] float. k_scale: [N_c] float (fp8 keys) or None.
-        start, count: [T] int: query ``t`` sees entries ``[start[t], start[t] + count[t])``.
+        start, count: [T] int on q's device: query ``t`` sees entries ``[start[t], start[t] + count[t])``.
         topk: entries per query (>= 1). block_t, block_n: tile overrides (:func:`indexer_tiles`).
         programs: persistent programs (default: two per SM on CUDA, one per query tile
             elsewhere); each program takes every ``programs``-th tile, reusing its scratch rows.
@@ -200,8 +200,9 @@ def indexer_topk_op(
         q: [T, H_I, D_I] fp16/bf16/fp32, or fp8 e4m3 (its scales folded into ``weights``).
         k: [N_c, D_I], dtype of q (fp8 keys with fp8 queries). weights: [T, H_I] float.
         k_scale: [N_c] float per-key scale of fp8 keys, else None.
-        start, count: [T] int: query ``t`` picks among entries ``[start[t], start[t] + count[t])``,
-            both ends clamped to ``[0, N_c]`` (no key row past k's end is scored).
+        start, count: [T] int on q's device: query ``t`` picks among entries
+            ``[start[t], start[t] + count[t])``, both ends clamped to ``[0, N_c]`` (no key row
+            past k's end is scored).
         topk: entries per query.
 
     Returns:
