@@ -202,7 +202,7 @@ def test_bad_dtypes_and_scales_are_refused() -> None:
     with pytest.raises(TypeError, match="q and k must share"):
         indexer_topk_launches(q, k.double(), w, None, s, s, 2)
     with pytest.raises(ValueError, match="k_scale"):
-        indexer_topk_launches(q, k, w, torch.ones(4), s, s, 2)
+        indexer_topk_launches(q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn), w, None, s, s, 2)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         indexer_topk_launches(q, k, w, None, s, s, 2, block_n=24)
 
@@ -312,3 +312,15 @@ def test_backend_layer_call_is_one_op_and_one_launch(monkeypatch: pytest.MonkeyP
     assert ops.names == ["aten.detach"] * 3 + ["cpkv_triton.indexer_topk"]
     assert launched == ["indexer_topk"]
     assert torch.equal(got, ReferenceBackend().indexer_topk(q, k, w, segments, visible, topk=4))
+
+
+def test_key_scales_multiply_the_head_sums() -> None:
+    """``k_scale`` (the fp8 path's per-key scale, here on fp32 keys: the interpreter cannot run fp8 dots)
+    gives the selection of the reference on the scaled keys ``k * scale``; powers of two keep it exact."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, w = _integer_inputs(gen, 20, 2, 16, 60)
+    scale = 2.0 ** torch.randint(-3, 4, (60,), generator=gen).float()
+    start, count = torch.randint(0, 10, (20,), generator=gen), torch.randint(0, 50, (20,), generator=gen)
+    got = indexer_topk_op(q, k, w, scale, start, count, 6)
+    want = ref_topk(q, k * scale[:, None], w, start, start + count, 6, 16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -124,8 +124,8 @@ def fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def _check(q: Tensor, k: Tensor, k_scale: Tensor | None) -> None:
     if q.dtype not in SCORE_DTYPES or (k.dtype == FP8) != (q.dtype == FP8) or (q.dtype != FP8 and k.dtype != q.dtype):
         raise TypeError(f"q and k must share one of {SCORE_DTYPES} (both fp8 or neither), got {q.dtype} and {k.dtype}")
-    if (k_scale is None) == (k.dtype == FP8):
-        raise ValueError("k_scale ([N_c] fp32) is required with float8_e4m3fn keys and only then")
+    if k_scale is None and k.dtype == FP8:
+        raise ValueError("k_scale ([N_c] fp32, the keys' per-row scales) is required with float8_e4m3fn keys")
 
 
 def indexer_topk_launches(
@@ -136,7 +136,8 @@ def indexer_topk_launches(
 
     Args:
         q: [T, H_I, D_I] fp16/bf16/fp32/fp8. k: [N_c, D_I], dtype of q (fp8 with fp8 q).
-        weights: [T, H_I] float. k_scale: [N_c] float (fp8 keys) or None.
+        weights: [T, H_I] float. k_scale: [N_c] positive float per-key scale (required with fp8
+            keys, optional otherwise) or None.
         start, count: [T] int on q's device: query ``t`` sees entries ``[start[t], start[t] + count[t])``.
         topk: entries per query (>= 1). block_t, block_n: tile overrides (:func:`indexer_tiles`).
         programs: persistent programs (default: two per SM on CUDA, one per query tile
@@ -199,7 +200,7 @@ def indexer_topk_op(
     Args:
         q: [T, H_I, D_I] fp16/bf16/fp32, or fp8 e4m3 (its scales folded into ``weights``).
         k: [N_c, D_I], dtype of q (fp8 keys with fp8 queries). weights: [T, H_I] float.
-        k_scale: [N_c] float per-key scale of fp8 keys, else None.
+        k_scale: [N_c] positive float per-key scale (of fp8 keys; optional for others), or None.
         start, count: [T] int on q's device: query ``t`` picks among entries
             ``[start[t], start[t] + count[t])``, both ends clamped to ``[0, N_c]`` (no key row
             past k's end is scored).
