@@ -2,6 +2,7 @@
 
     python benchmarks/indexer_check.py                 # H200: about 1-2 minutes
     python benchmarks/indexer_check.py --no-long       # without the 1M-token cp 8 shape
+    python benchmarks/indexer_check.py --no-long --sweep   # and other tile configurations
     TRITON_INTERPRET=1 python benchmarks/indexer_check.py --smoke   # CPU, tiny shapes (tests the script)
 
 One markdown table, columns ``| shape | dtype | check / phase | value | bound or target | ok |``:
@@ -87,6 +88,27 @@ def _call(x: dict[str, Any], start: torch.Tensor, count: torch.Tensor, topk: int
     for launch in launches:
         launch()
     return indices, scores
+
+
+def sweep(shape: Shape, dtype: str, x: dict[str, Any], start: torch.Tensor, count: torch.Tensor, reps: int,
+          device: torch.device) -> list[str]:
+    """TFLOP/s of other tile configurations (block_t x block_n, warps): data for choosing the defaults."""
+    flops = float(count.sum()) * shape.heads * shape.dim * 2
+    rows = []
+    configs = ((64, 128, 8), (64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 256, 8))
+    for block_t, block_n, warps in configs if device.type == "cuda" else ((16, 32, 4),):
+        launches, _, _ = indexer_topk_launches(x["q"], x["k"], x["w"], x["k_scale"], start, count, shape.topk,
+                                               block_t=block_t, block_n=block_n)
+        launches = [dataclasses.replace(launch, num_warps=warps) for launch in launches]
+
+        def run(launches: list[Any] = launches) -> None:
+            for launch in launches:
+                launch()
+
+        ms = _ms(run, reps, device)
+        rows.append(f"| {shape.name} | {dtype} | tiles {block_t} x {block_n}, {warps} warps: TFLOP/s (ms) | "
+                    f"{flops / ms / 1e9:.0f} ({ms:.2f}) | | |")
+    return rows
 
 
 def _ms(fn: Callable[[], Any], reps: int, device: torch.device) -> float:
@@ -213,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     parser.add_argument("--no-long", action="store_true", help="skip the 1M-token cp 8 shape")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations (256K shape)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         _patch_interpreter()
-        shapes = [Shape("smoke 512 cp 2", 512, 2, heads=4, dim=32, topk=8)]
+        shapes = [Shape("smoke 256 cp 2", 256, 2, heads=2, dim=16, topk=4)]
         dtypes = ["bf16"]  # the interpreter cannot run fp8 dots; bf16 runs as fp32 there
     else:
         shapes = [Shape("8K cp 1", 8192, 1), Shape("256K cp 8", 262144, 8)]
@@ -234,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += got
                 ok &= passed
             rows += speed(shape, dtype, x, start, count, args.reps, device)
+            if args.sweep and (i == 1 or args.smoke):
+                rows += sweep(shape, dtype, x, start, count, args.reps, device)
             if dtype == "bf16" and i == 0:
                 got, passed = layer_call(shape, x, segments, visible, device)
                 rows += got
