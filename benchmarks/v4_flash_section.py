@@ -24,7 +24,8 @@ import torch
 
 from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk
 from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
-from cpkv.backends.triton.ops import indexer_topk_op, sparse_attention_op
+from cpkv.backends.triton.indexer_ops import indexer_topk_op
+from cpkv.backends.triton.ops import sparse_attention_op
 
 H, D, DV, WINDOW, TOPK = 64, 512, 512, 128, 512
 HEADER = ["| T | check / phase | value | bound or reference | ok / TFLOP/s |", "|---|---|---|---|---|"]
@@ -79,7 +80,7 @@ def check(device: torch.device) -> tuple[list[str], bool]:
     ok &= same
     rows.append(f"| 8K | deterministic dq/dkv/dsinks bitwise equal twice | {same} | | {'ok' if same else 'FAIL'} |")
     qi, ki, w, start, end = _indexer_inputs(8192, device)
-    got_i, got_s = indexer_topk_op(qi, ki, w, start, end, TOPK, 4096)
+    got_i, got_s = indexer_topk_op(qi, ki, w, None, start, end - start, TOPK)
     want_i, want_s = ref_topk(qi, ki, w, start, end, TOPK, 1024)
     diff = float((got_s.nan_to_num(neginf=0).sum(1) - want_s.nan_to_num(neginf=0).sum(1)).abs().max())
     bound = 1e-3 * float(want_s.nan_to_num(neginf=0).sum(1).abs().max())
@@ -138,7 +139,7 @@ def bench(num_q: int, device: torch.device, reps: int, with_reference: bool) -> 
         rows.append(f"| {size} | fwd+bwd ms, triton vs reference ops | {total:.2f} | {ref:.2f} | {ref / total:.1f}x speed-up |")
     qi, ki, w, start, end = _indexer_inputs(num_q, device)
     rows.append(f"| {size} | indexer top-{TOPK} ms (H_I=64, D_I=128) | "
-                f"{_ms(lambda: indexer_topk_op(qi, ki, w, start, end, TOPK, 4096), reps):.2f} | | |")
+                f"{_ms(lambda: indexer_topk_op(qi, ki, w, None, start, end - start, TOPK), reps):.2f} | | |")
     return rows
 
 

@@ -207,8 +207,7 @@ class CUDABackend:
     Args:
         varlen_attn: the kernel function; default ``torch.nn.attention.varlen.varlen_attn``.
             Tests inject a stand-in with the same signature (trusted with any device).
-        block_size: block size of the reference ops used for fallbacks, and queries/entries
-            per block of the Triton indexer top-k.
+        block_size: block size of the reference ops used for fallbacks.
         deterministic: the Triton sparse backward computes dkv by a key-major pass over an
             inverted index instead of fp32 atomics: bitwise reproducible run to run, slower.
         triton_kernels: None (default) runs cpkv's Triton kernels on CUDA tensors where
@@ -250,7 +249,6 @@ class CUDABackend:
         self._varlen_attn = varlen_attn
         self._check_device = varlen_attn is default
         self._reference = ReferenceBackend(block_size)
-        self._block_size = block_size
         self._warned: set[str] = set()
         if not isinstance(deterministic, bool) or not (triton_kernels is None or isinstance(triton_kernels, bool)):
             raise TypeError(f"deterministic must be a bool and triton_kernels a bool or None, got {deterministic!r}, {triton_kernels!r}")
@@ -444,18 +442,18 @@ class CUDABackend:
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
         visible: EntryVisibility, *, topk: int,
     ) -> Tensor:
-        """``[T, topk]`` int64 visible rows of ``k_index`` with the highest indexer scores (Triton scores, streaming merge).
+        """``[T, topk]`` int64 visible rows of ``k_index`` with the highest indexer scores (one Triton launch, no host sync).
 
-        Ties go to the earlier row; -1 padded; no gradient.
+        Scores on tensor cores and the exact running top-k per query tile
+        (``cpkv_triton::indexer_topk``); ties go to the earlier row; -1 padded; no gradient.
         """
         if not self._triton(q_index, "indexer top-k"):
             return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
         from cpkv.backends.triton import indexer_topk_op
 
-        start = visible.visible_start.to(q_index.device, torch.int64)
-        end = start + visible.visible_count.to(q_index.device, torch.int64)
         indices, _ = indexer_topk_op(
-            q_index.detach(), k_index.detach(), weights.detach(), start, end, topk, self._block_size
+            q_index.detach(), k_index.detach().to(q_index.dtype), weights.detach(), None,
+            visible.visible_start.to(q_index.device), visible.visible_count.to(q_index.device), topk,
         )
         result: Tensor = indices
         return result

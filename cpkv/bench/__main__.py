@@ -23,6 +23,7 @@ import torch
 
 from cpkv.bench import layouts
 from cpkv.bench.balance import pad_for_zigzag, rank_work
+from cpkv.bench.indexer import main as indexer_main
 from cpkv.bench.memory import LayerDims, layer_memory
 from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
 from cpkv.bench.traffic import Dims, Traffic, layer_traffic, lognormal_cu_seqlens, need_plan, physical_limit
@@ -400,13 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success.
 
     ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
-    prints the Triton kernels' executed-work model instead.
+    prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
+    executed work, launches and host syncs.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
         return layouts.main(argv[1:])
     if argv[:1] == ["kernels"]:
         return kernels_main(argv[1:])
+    if argv[:1] == ["indexer"]:
+        return indexer_main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())

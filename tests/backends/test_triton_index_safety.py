@@ -19,7 +19,6 @@ from torch import Tensor
 
 from tests.backends.triton_interpreter import interpreted_kernels
 
-from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk  # noqa: E402
 from cpkv.backends.triton import ops  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
@@ -103,20 +102,3 @@ def test_inverted_index_skips_out_of_range_rows() -> None:
     assert row_ptr.tolist() == [0, 0, 2, 2]
     assert pair_t.tolist()[:2] == [0, 1]
 
-
-def test_indexer_topk_clamps_the_ranges_to_the_key_rows() -> None:
-    gen = torch.Generator().manual_seed(3)
-    num_q, heads, dim, num_k, topk = 6, 2, 16, 9, 4
-    q, w = torch.rand(num_q, heads, dim, generator=gen), torch.rand(num_q, heads, generator=gen)
-    k_big = torch.full((num_k + CANARY_ROWS, dim), 1.0e4)  # rows past N_c would win every top-k
-    k_big[:num_k] = torch.rand(num_k, dim, generator=gen)
-    k = k_big[:num_k]
-    start = torch.tensor([-3, 0, 2, 7, -1, num_k + 1])
-    end = torch.tensor([num_k + 1, num_k, num_k + 3, num_k + 1, 4, num_k + 3])
-    clamped = (start.clamp(0, num_k), end.clamp(0, num_k))
-    for block_size in (4, 64):  # several entry chunks, or one
-        got = ops.indexer_topk_op(q, k, w, start, end, topk, block_size)
-        want = ops.indexer_topk_op(q, k, w, *clamped, topk, block_size)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert int(got[0].max()) < num_k
-        assert torch.equal(got[0], ref_topk(q, k, w, *clamped, topk, 16)[0])

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from tests.backends.triton_interpreter import interpreted_kernels
 
-from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk  # noqa: E402
 from cpkv.backends.reference.sparse import selected_probs_op as ref_probs  # noqa: E402
 from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse  # noqa: E402
 from cpkv.backends.triton import ops  # noqa: E402
@@ -140,29 +139,6 @@ def test_inverted_index_lists_each_row_in_query_order() -> None:
     pair_t, row_ptr = ops.inverted_index(idx, 4)
     assert row_ptr.tolist() == [0, 2, 3, 7, 7]
     assert pair_t.tolist()[:7] == [0, 3, 3, 0, 1, 1, 3]
-
-
-@pytest.mark.parametrize("integer", [True, False], ids=["exact-ties", "random"])
-def test_indexer_topk_matches_reference(integer: bool) -> None:
-    gen = torch.Generator().manual_seed(11)
-    num_q, heads, dim, num_k, topk = 20, 3, 16, 37, 6
-    if integer:  # small integers: exact scores, many exact ties (relu zeros, repeated rows)
-        q = torch.randint(-2, 3, (num_q, heads, dim), generator=gen).float()
-        k = torch.randint(-1, 2, (num_k, dim), generator=gen).float()
-        k[5:9] = k[4]
-        w = torch.randint(0, 3, (num_q, heads), generator=gen).float()
-    else:
-        q, k, w = torch.randn(num_q, heads, dim, generator=gen), torch.randn(num_k, dim, generator=gen), torch.rand(num_q, heads, generator=gen)
-    start = torch.randint(0, 10, (num_q,), generator=gen)
-    count = torch.randint(0, 28, (num_q,), generator=gen)
-    count[0], count[1] = 0, 3  # nothing visible; fewer than topk visible
-    end = start + count
-    for block_size in (8, 64):  # several entry chunks merged, or one
-        got = ops.indexer_topk_op(q, k, w, start, end, topk, block_size)
-        want = ref_topk(q, k, w, start, end, topk, 16)
-        assert torch.equal(got[0], want[0])
-        _close(got[1], want[1], 1e-5)
-    assert (got[0][0] == -1).all() and (got[0][1, 3:] == -1).all()
 
 
 def test_fakes_match_the_kernels() -> None:

@@ -12,9 +12,10 @@ they are also usable directly as ``torch.library`` custom ops (:mod:`cpkv.backen
   index) instead of fp32 atomics: bitwise reproducible.
 * ``selected_probs_op(q, kv, indices, lse, scale)`` -> ``[T, K]``: head-summed probabilities
   from that LSE (the indexer KL target before normalisation).
-* ``indexer_topk_op(q, k, weights, start, end, topk, block_size)`` -> ``(indices, scores)``:
-  lightning-indexer scores in (query block x entry chunk) tiles and a streaming top-k merge,
-  visible rows ``[start[t], end[t])``, ties to the earlier row.
+* ``indexer_topk_op(q, k, weights, k_scale, start, count, topk)`` -> ``(indices, scores)``
+  (:mod:`cpkv.backends.triton.indexer_ops`): lightning-indexer scores on tensor cores (bf16,
+  fp16, fp32, or fp8 e4m3 with per-key scales) and the exact running top-k in one launch,
+  visible rows ``[start[t], start[t] + count[t])``, ties to the earlier row, no host sync.
 
 Semantics equal the reference ops (:mod:`cpkv.backends.reference`). ``triton`` is imported
 only when a kernel first runs (:func:`is_available` checks for it without importing the
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from cpkv.backends.triton.ops import indexer_topk_op, inverted_index, selected_probs_op, sparse_attention_op
+from cpkv.backends.triton.indexer_ops import indexer_topk_op
+from cpkv.backends.triton.ops import inverted_index, selected_probs_op, sparse_attention_op
 
 __all__ = ["indexer_topk_op", "inverted_index", "is_available", "selected_probs_op", "sparse_attention_op"]
 

@@ -260,35 +260,3 @@ def selected_probs_kernel(
         p = tl.where(mask_h[:, None] & valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         tl.store(out_row + kk, tl.sum(p, 0), mask=kk < K)
 
-
-@triton.jit
-def indexer_scores_kernel(
-    q_ptr, k_ptr, w_ptr, start_ptr, end_ptr, out_ptr,
-    T, HI, DI, j0, C,
-    stride_qt, stride_qh, stride_kn, stride_wt,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DI: tl.constexpr, PREC: tl.constexpr,
-):
-    """out[t, c] = sum_h w[t, h] relu(q[t, h] . k[j0 + c]) if visible else -inf, for a chunk of C entries.
-
-    ``out`` is ``[T, C]`` fp32; entry ``j`` is visible to ``t`` iff ``start[t] <= j < end[t]``.
-    Grid (cdiv(T, BLOCK_T), cdiv(C, BLOCK_N)); the ``[T, H_I, C]`` product never exists.
-    """
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_DI)
-    mask_t = offs_t < T
-    j = j0 + offs_c
-    kc = tl.load(k_ptr + j.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                 mask=(offs_c < C)[:, None] & (offs_d < DI)[None, :], other=0.0)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for h in range(0, HI):
-        qh = tl.load(q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                     mask=mask_t[:, None] & (offs_d < DI)[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_t.to(tl.int64) * stride_wt + h, mask=mask_t, other=0.0).to(tl.float32)
-        acc += w[:, None] * tl.maximum(tl.dot(qh, tl.trans(kc), input_precision=PREC), 0.0)
-    start = tl.load(start_ptr + offs_t, mask=mask_t, other=0)
-    end = tl.load(end_ptr + offs_t, mask=mask_t, other=0)
-    seen = (j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])
-    acc = tl.where(seen, acc, float("-inf"))
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * C + offs_c[None, :], acc,
-             mask=mask_t[:, None] & (offs_c < C)[None, :])

@@ -4,7 +4,6 @@
   ``(out, lse)``, differentiable w.r.t. q, kv and sinks (also through ``lse``); its
   backward is the op ``cpkv_triton::sparse_attention_backward``.
 * ``cpkv_triton::selected_probs(q, kv, indices, lse, scale)`` -> ``[T, K]`` (no autograd).
-* ``cpkv_triton::indexer_topk(q, k, weights, start, end, topk)`` -> ``(indices, scores)`` (no autograd).
 
 Semantics are those of the reference ops of the same name (:mod:`cpkv.backends.reference`),
 which are the tests' oracle. Nothing is validated here (the backend's plans were validated
@@ -12,7 +11,7 @@ when built, and a check of the indices would sync the host every layer); the bod
 opaque to ``torch.compile``, so a layer calling them still compiles with ``fullgraph=True``.
 Index safety is by construction instead: every index outside ``[0, N)`` (``-2``, ``N``,
 ``N + 3``, ...) is treated exactly as ``-1`` padding (never loaded, never written, also by
-the atomic dkv adds), and ``indexer_topk`` clamps ``start``/``end`` to ``[0, N_c]``. The
+the atomic dkv adds). (The indexer's op is in :mod:`cpkv.backends.triton.indexer_ops`.) The
 reference's validated entry points raise ``ValueError`` for such input instead.
 
 Inputs: fp16, bf16 or fp32 (fp32 accumulation; fp32 dot products run in IEEE precision, not
@@ -30,8 +29,7 @@ built by a function of the op's tensors; :func:`aot_launches` calls the same fun
 ``meta`` tensors for the sm_90a compile report (``benchmarks/compile_report.py``).
 
 Shapes legend: ``T`` query tokens, ``H`` query heads, ``D`` query/key dim, ``d_v`` value dim
-(the first ``d_v`` channels of kv), ``N`` kv rows, ``K`` entries per query row, ``H_I``,
-``D_I`` indexer heads and dim, ``N_c`` indexer key rows.
+(the first ``d_v`` channels of kv), ``N`` kv rows, ``K`` entries per query row.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from torch import Tensor
 from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = [
-    "aot_launches", "indexer_topk_op", "inverted_index", "selected_probs_op", "sparse_attention_backward_op",
+    "aot_launches", "inverted_index", "selected_probs_op", "sparse_attention_backward_op",
     "sparse_attention_op",
 ]
 
@@ -451,65 +449,3 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     ]
 
 
-def _indexer_scores(q: Tensor, k: Tensor, w: Tensor, start: Tensor, end: Tensor, j0: int, width: int) -> Tensor:
-    """[T, width] fp32 scores of entries ``j0 .. j0 + width - 1`` (-inf where not visible)."""
-    num_q, heads, dim = q.shape
-    out = torch.empty((num_q, width), dtype=torch.float32, device=q.device)
-    cpu = q.device.type == "cpu"
-    block_t, block_n = (64, 128) if cpu else (64, 64)
-    _kernels().indexer_scores_kernel[(triton_cdiv(num_q, block_t), triton_cdiv(width, block_n))](
-        q, k, w, start, end, out,
-        num_q, heads, dim, j0, width,
-        q.stride(0), q.stride(1), k.stride(0), w.stride(0),
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_DI=_pow2(dim), PREC=_prec(q), num_warps=4,
-    )
-    return out
-
-
-@torch.library.custom_op("cpkv_triton::indexer_topk", mutates_args=())
-def indexer_topk_op(
-    q: Tensor, k: Tensor, weights: Tensor, start: Tensor, end: Tensor, topk: int, block_size: int
-) -> tuple[Tensor, Tensor]:
-    """Top-k lightning-indexer entries: Triton scores per (query block, entry chunk), streaming merge.
-
-    Scores ``I[t, j] = sum_h weights[t, h] * relu(q[t, h] . k[j])`` come from
-    ``indexer_scores_kernel`` ``block_size`` entries at a time (never ``[T, H_I, N_c]``);
-    each chunk is merged into the running top-k by a stable descending sort, so ties go to
-    the earlier row (the running top-k holds only earlier rows, in order).
-
-    Args:
-        q: [T, H_I, D_I]. k: [N_c, D_I], dtype of q. weights: [T, H_I]. start, end: [T] int:
-            query ``t`` picks among rows ``[start[t], end[t])``, both clamped to ``[0, N_c]``
-            (no key row past ``k``'s end is ever scored). topk: entries per row.
-        block_size: queries per block and entries per chunk.
-
-    Returns:
-        ``(indices [T, topk] int64 -1 padded, scores [T, topk] fp32 -inf at padding)``, by
-        descending score. No autograd.
-    """
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k, weights = k.contiguous(), weights.contiguous()
-    start, end = start.clamp(0, k.shape[0]), end.clamp(0, k.shape[0])  # in range: no row past k's end
-    start32, end32 = start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
-    scores = torch.full((q.shape[0], topk), NEG_INF, dtype=torch.float32, device=q.device)
-    indices = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
-    for t0 in range(0, q.shape[0], block_size):
-        rows = slice(t0, t0 + block_size)
-        lo, hi = int(start[rows].min()), int(end[rows].max())  # host sync (op body)
-        best_s, best_i = scores[rows], indices[rows]
-        for j0 in range(lo, hi, block_size):
-            width = min(block_size, hi - j0)
-            s = _indexer_scores(q[rows], k, weights[rows], start32[rows], end32[rows], j0, width)
-            j = torch.arange(j0, j0 + width, device=q.device)
-            merged, pos = torch.cat([best_s, s], 1).sort(dim=1, descending=True, stable=True)
-            best_s = merged[:, :topk]
-            best_i = torch.cat([best_i, torch.where(s > NEG_INF, j, -1)], 1).gather(1, pos[:, :topk])
-        scores[rows], indices[rows] = best_s, best_i
-    return indices, scores
-
-
-@indexer_topk_op.register_fake
-def _(q: Tensor, k: Tensor, weights: Tensor, start: Tensor, end: Tensor, topk: int,
-      block_size: int) -> tuple[Tensor, Tensor]:
-    shape = (q.shape[0], topk)
-    return q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.float32)

@@ -1,0 +1,29 @@
+"""``python -m cpkv.bench indexer``: counted and executed indexer work, launches and host syncs, against hand counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cpkv.bench.__main__ import main
+from cpkv.bench.indexer import indexer_work
+
+
+def test_one_document_counts_by_hand() -> None:
+    """cp 1, one document of L tokens: query p sees floor((p + 1) / 4) entries; 64-query tiles, 128-entry chunks."""
+    length = 256
+    work = indexer_work(torch.tensor([0, length]), 1, 0, heads=4, dim=32, topk=8)
+    assert work.queries == length and work.entries == length // 4
+    assert work.counted_pairs == sum((p + 1) // 4 for p in range(length))
+    assert work.executed_pairs == 4 * 64 * 128  # each of the 4 tiles sees <= 64 entries: one chunk
+    assert work.counted_flops == work.counted_pairs * 4 * 32 * 2
+    assert (work.triton_launches, work.torch_kernels, work.host_syncs) == (1, 0, 0)
+
+
+def test_fp8_and_the_subcommand(capsys: Any) -> None:
+    work = indexer_work(torch.tensor([0, 300, 1024]), 2, 1, dtype=torch.float8_e4m3fn)
+    assert work.executed_pairs >= work.counted_pairs > 0 and work.host_syncs == 0
+    assert main(["indexer", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| one document, float8_e4m3fn | 2,048 |" in out and "host syncs |" in out
