@@ -51,7 +51,8 @@ from cpkv.backends.triton.launches import AOTCase, KernelLaunch, v4_cases  # noq
 
 SM_REGS, SM_SMEM, SM_THREADS, SM_BLOCKS = 65536, 228 * 1024, 2048, 32
 BLOCK_SMEM_RESERVED = 1024  # the driver's per-block reservation on sm_90
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+          torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @dataclass(frozen=True)

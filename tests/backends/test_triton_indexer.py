@@ -179,10 +179,11 @@ def test_one_launch_and_no_host_sync() -> None:
 
 
 def test_aot_launches_build_on_meta_tensors() -> None:
-    """The compile report's launches: fp8 (with key scales) and bf16 for a bf16 case, fp32 for fp32, GPU tiles."""
+    """The compile report's launches: fp8 (with key scales) and bf16 for a bf16 case, fp32 for fp32, GPU tiles
+    (the KL path's kernels are not issued by any op yet, so they are not listed)."""
     case = AOTCase("V4", torch.bfloat16, 8192, 10240, 64, 512, 512, 640, 64, 128, 512, 2048)
     launches = aot_launches(case)
-    names = ["indexer_topk float8_e4m3fn", "indexer_topk bfloat16", "indexer_selected_scores", "indexer_selected_grads"]
+    names = ["indexer_topk float8_e4m3fn", "indexer_topk bfloat16"]
     assert [x.name for x in launches] == names
     fp8, bf16 = launches[:2]
     assert all(x.args[0].dtype == torch.bfloat16 for x in launches[1:])
@@ -192,8 +193,8 @@ def test_aot_launches_build_on_meta_tensors() -> None:
     assert len(runtime) == len(fp8.args)
     tiles = indexer_tiles(torch.device("meta"), 128, 512)
     assert (fp8.constexprs["BLOCK_T"], fp8.constexprs["BLOCK_N"], fp8.constexprs["SORT"]) == (tiles.block_t, tiles.block_n, 1024)
-    f32, *kl = aot_launches(AOTCase("fp32", torch.float32, 64, 80, 4, 64, 64, 16, 4, 32, 16, 64))
-    assert [x.name for x in kl] == names[2:]
+    f32, *rest = aot_launches(AOTCase("fp32", torch.float32, 64, 80, 4, 64, 64, 16, 4, 32, 16, 64))
+    assert rest == []
     assert f32.args[0].dtype == torch.float32 and f32.constexprs["PREC"] == "ieee"
 
 

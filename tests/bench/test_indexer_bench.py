@@ -11,12 +11,13 @@ from cpkv.bench.indexer import indexer_work
 
 
 def test_one_document_counts_by_hand() -> None:
-    """cp 1, one document of L tokens: query p sees floor((p + 1) / 4) entries; 64-query tiles, 128-entry chunks."""
+    """cp 1, one document of L tokens: query p sees floor((p + 1) / 4) entries; 64-query tiles, 64-entry chunks."""
     length = 256
     work = indexer_work(torch.tensor([0, length]), 1, 0, heads=4, dim=32, topk=8)
     assert work.queries == length and work.entries == length // 4
     assert work.counted_pairs == sum((p + 1) // 4 for p in range(length))
-    assert work.executed_pairs == 4 * 64 * 128  # each of the 4 tiles sees <= 64 entries: one chunk
+    # Tile i (queries 64i .. 64i + 63) streams the entries [0, 16(i + 1)): ceil(16(i + 1) / 64) = 1 chunk of 64 each.
+    assert work.executed_pairs == 4 * 64 * 64
     assert work.counted_flops == work.counted_pairs * 4 * 32 * 2
     assert (work.triton_launches, work.torch_kernels, work.host_syncs) == (1, 0, 0)
 
