@@ -27,33 +27,15 @@ from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
 from cpkv.backends.triton.indexer_ops import indexer_topk_op
 from cpkv.backends.triton.ops import sparse_attention_op
 
+from v4_sparse_section import grads_of, inputs  # noqa: E402 - benchmarks/ is on sys.path when run
+
 H, D, DV, WINDOW, TOPK = 64, 512, 512, 128, 512
 HEADER = ["| T | check / phase | value | bound or reference | ok / TFLOP/s |", "|---|---|---|---|---|"]
 
 
 def _inputs(num_q: int, device: torch.device) -> dict[str, Any]:
-    gen = torch.Generator(device=device).manual_seed(0)
-    num_kv = num_q + num_q // 4
-    pos = torch.arange(num_q, device=device)
-    window = pos[:, None] - torch.arange(WINDOW - 1, -1, -1, device=device)
-    window = torch.where(window >= 0, window, -1)
-    visible = (pos + 1) // 4  # compressed entries j < floor((t + 1) / 4), as in V4
-    picked = (torch.rand(num_q, TOPK, device=device, generator=gen) * visible[:, None]).long()
-    picked = torch.where(torch.arange(TOPK, device=device) < visible[:, None], num_q + picked, -1)
-    return {
-        "q": torch.randn(num_q, H, D, device=device, generator=gen).bfloat16(),
-        "kv": torch.randn(num_kv, D, device=device, generator=gen).bfloat16(),
-        "sinks": torch.randn(H, device=device, generator=gen),
-        "idx": torch.cat([window, picked], 1).int(),
-        "d_out": torch.randn(num_q, H, DV, device=device, generator=gen).bfloat16(),
-    }
-
-
-def _grads(fn: Callable[..., Any], x: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
-    leaves = [x[k].to(dtype).requires_grad_(True) for k in ("q", "kv", "sinks")]
-    out, lse = fn(*leaves, x["idx"])
-    torch.autograd.backward((out, lse), (x["d_out"].to(out.dtype), torch.zeros_like(lse)))
-    return [out.detach(), lse.detach()] + [leaf.grad for leaf in leaves]  # type: ignore[misc]
+    """The V4 sparse grid's inputs at H 64 and K = the window plus top-512."""
+    return inputs(num_q, H, WINDOW + TOPK, device)
 
 
 def _triton(deterministic: bool) -> Callable[..., Any]:
@@ -66,16 +48,16 @@ def _reference(q: torch.Tensor, kv: torch.Tensor, s: torch.Tensor, idx: torch.Te
 
 def check(device: torch.device) -> tuple[list[str], bool]:
     x = _inputs(8192, device)
-    exact = _grads(_reference, x, torch.float64)
-    low = _grads(_reference, x, torch.bfloat16)
-    got = _grads(_triton(False), x, torch.bfloat16)
+    exact = grads_of(_reference, x, torch.float64)
+    low = grads_of(_reference, x, torch.bfloat16)
+    got = grads_of(_triton(False), x, torch.bfloat16)
     rows, ok = [], True
     for name, e, lo, g in zip(("out", "lse", "dq", "dkv", "dsinks"), exact, low, got):
         err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
         bound = 2 * ref_err + 2**-8 * float(e.abs().max())
         ok &= err <= bound
         rows.append(f"| 8K | {name} err vs fp64 | {err:.3e} | {bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
-    first, second = _grads(_triton(True), x, torch.bfloat16), _grads(_triton(True), x, torch.bfloat16)
+    first, second = grads_of(_triton(True), x, torch.bfloat16), grads_of(_triton(True), x, torch.bfloat16)
     same = all(torch.equal(a, b) for a, b in zip(first[2:], second[2:]))
     ok &= same
     rows.append(f"| 8K | deterministic dq/dkv/dsinks bitwise equal twice | {same} | | {'ok' if same else 'FAIL'} |")

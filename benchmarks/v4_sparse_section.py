@@ -58,7 +58,8 @@ def inputs(num_q: int, heads: int, topk: int, device: torch.device, dim: int = D
     }
 
 
-def _grads(fn: Callable[..., Any], x: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
+def grads_of(fn: Callable[..., Any], x: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``[out, lse, dq, dkv, dsinks]`` of ``fn(q, kv, sinks, idx)`` in ``dtype`` (gradients from ``x["d_out"]``)."""
     leaves = [x[k].to(dtype).requires_grad_(True) for k in ("q", "kv", "sinks")]
     out, lse = fn(*leaves, x["idx"])
     torch.autograd.backward((out, lse), (x["d_out"].to(out.dtype), torch.zeros_like(lse)))
@@ -93,10 +94,10 @@ def check(device: torch.device, num_q: int = 2048) -> tuple[list[str], bool]:
     for heads in HEADS:
         for topk in TOPKS:
             x = inputs(num_q, heads, topk, device)
-            exact = _grads(_reference, x, torch.float64)
-            low = _grads(_reference, x, torch.bfloat16)
+            exact = grads_of(_reference, x, torch.float64)
+            low = grads_of(_reference, x, torch.bfloat16)
             for mode, det in (("atomic", False), ("deterministic", True)):
-                got = _grads(_triton(det), x, torch.bfloat16)
+                got = grads_of(_triton(det), x, torch.bfloat16)
                 for name, e, lo, g in zip(("out", "lse", "dq", "dkv", "dsinks"), exact, low, got):
                     err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
                     bound = 2 * ref_err + 2**-8 * float(e.abs().max())
@@ -104,14 +105,14 @@ def check(device: torch.device, num_q: int = 2048) -> tuple[list[str], bool]:
                     rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} ({mode}) err vs fp64 | {err:.3e} | "
                                 f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
             with gluon_forward():
-                gluon = _grads(_triton(False), x, torch.bfloat16)
+                gluon = grads_of(_triton(False), x, torch.bfloat16)
             for name, e, lo, g in zip(("out", "lse"), exact, low, gluon):
                 err, ref_err = float((g.double() - e).abs().max()), float((lo.double() - e).abs().max())
                 bound = 2 * ref_err + 2**-8 * float(e.abs().max())
                 ok &= err <= bound
                 rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} (gluon forward) err vs fp64 | {err:.3e} | "
                             f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
-            again = _grads(_triton(True), x, torch.bfloat16)
+            again = grads_of(_triton(True), x, torch.bfloat16)
             same = all(torch.equal(a, b) for a, b in zip(got[2:], again[2:]))
             ok &= same
             rows.append(f"| {heads} | {topk} | {num_q // 1024}K | deterministic dq/dkv/dsinks bitwise twice | {same} | | "
