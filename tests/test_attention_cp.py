@@ -56,6 +56,7 @@ EXCHANGES = ["allgather", "need"]
 RINGS = [2, 3, 4]
 LAYOUTS = ["tnd", "zigzag", "balanced", "custom"]  # "tnd": contiguous
 LAYOUT_RINGS = {"tnd": RINGS, "zigzag": [3], "balanced": [3], "custom": [2]}
+BF16_LAYOUTS = ["tnd", "zigzag", "balanced"]  # the custom layout's plans are checked in fp32 (bf16 checks precision)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -125,7 +126,7 @@ def _bsnd_case(rank: int, world: int, name: str, dtype: torch.dtype) -> dict[str
 def _all_cases(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for dtype_name, dtype in DTYPES.items():
-        for layout in LAYOUTS:
+        for layout in LAYOUTS if dtype_name == "fp32" else BF16_LAYOUTS:
             for name in CASES:
                 for exchange in EXCHANGES:
                     results[f"{layout}/{name}/{dtype_name}/{exchange}"] = _tnd_case(rank, world, layout, name, dtype, exchange)
@@ -193,6 +194,7 @@ def cp_run(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
 
 
 CASE_IDS = [f"{la}/{n}/{e}" for la in LAYOUTS for n in CASES for e in EXCHANGES] + [f"bsnd/{n}" for n in BSND_CASES]
+BF16_IDS = [c for c in CASE_IDS if c.split("/")[0] in (*BF16_LAYOUTS, "bsnd")]
 RING_IDS = [f"{la}/{n}/ring{r}" for la in LAYOUTS for n in CASES for r in LAYOUT_RINGS[la]]
 
 
@@ -241,7 +243,7 @@ def test_ring_rounds_equal_one_round(cp_run: tuple[int, dict[str, Any]], case: s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", CASE_IDS)
+@pytest.mark.parametrize("case", BF16_IDS)
 def test_bf16_error_within_twice_single_process(cp_run: tuple[int, dict[str, Any]], case: str) -> None:
     _world, results = cp_run
     layout, name = case.split("/")[:2]
