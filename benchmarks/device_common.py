@@ -9,6 +9,8 @@ accumulation order and in a few extra roundings of the kernel path).
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +66,16 @@ def visible_pairs(num_q: int, num_kv: int, window: int | None) -> int:
     """Sum over queries of visible keys (bottom-right causal, optional window)."""
     counts = torch.arange(num_kv - num_q + 1, num_kv + 1, dtype=torch.float64)
     return int((counts if window is None else counts.clamp(max=window)).sum())
+
+
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median wall milliseconds of ``fn()`` over ``reps`` calls on CUDA (one warm-up call; synchronised)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]

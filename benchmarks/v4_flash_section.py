@@ -17,7 +17,6 @@ T = 8K and 32K queries over ``N = T + T / 4`` kv rows (tokens, then the compress
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import torch
@@ -28,6 +27,7 @@ from cpkv.backends.triton.indexer_ops import indexer_topk_op
 from cpkv.backends.triton.ops import sparse_attention_op
 
 from v4_sparse_section import grads_of, inputs  # noqa: E402 - benchmarks/ is on sys.path when run
+from device_common import median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
 
 H, D, DV, WINDOW, TOPK = 64, 512, 512, 128, 512
 HEADER = ["| T | check / phase | value | bound or reference | ok / TFLOP/s |", "|---|---|---|---|---|"]
@@ -82,18 +82,6 @@ def _indexer_inputs(num_q: int, device: torch.device) -> tuple[torch.Tensor, ...
     return qi, ki, w, start, (torch.arange(num_q, device=device) + 1) // 4
 
 
-def _ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def bench(num_q: int, device: torch.device, reps: int, with_reference: bool) -> list[str]:
     x = _inputs(num_q, device)
     q, kv, s = (x[k].clone().requires_grad_(True) for k in ("q", "kv", "sinks"))
@@ -110,18 +98,18 @@ def bench(num_q: int, device: torch.device, reps: int, with_reference: bool) -> 
         return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
 
     size = f"{num_q // 1024}K"
-    t["fwd"] = _ms(fwd(_triton(False)), reps)
+    t["fwd"] = median_ms(fwd(_triton(False)), reps)
     for mode, det in (("atomic", False), ("deterministic", True)):
-        t[mode] = _ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
+        t[mode] = median_ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
         rows.append(f"| {size} | backward ({mode} dkv) ms | {t[mode]:.2f} | | {flops_b / t[mode] / 1e9:.0f} |")
     rows.insert(0, f"| {size} | forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |")
     if with_reference:
-        ref = _ms(fwd_bwd(_reference), 1)
+        ref = median_ms(fwd_bwd(_reference), 1)
         total = t["fwd"] + t["atomic"]
         rows.append(f"| {size} | fwd+bwd ms, triton vs reference ops | {total:.2f} | {ref:.2f} | {ref / total:.1f}x speed-up |")
     qi, ki, w, start, end = _indexer_inputs(num_q, device)
     rows.append(f"| {size} | indexer top-{TOPK} ms (H_I=64, D_I=128) | "
-                f"{_ms(lambda: indexer_topk_op(qi, ki, w, None, start, end - start, TOPK), reps):.2f} | | |")
+                f"{median_ms(lambda: indexer_topk_op(qi, ki, w, None, start, end - start, TOPK), reps):.2f} | | |")
     return rows
 
 

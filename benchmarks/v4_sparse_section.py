@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ import torch
 
 from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
 from cpkv.backends.triton.ops import sparse_attention_op
+from device_common import median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
 
 D, DV, WINDOW = 512, 512, 128
 HEADS, TOPKS, TOKENS = (64, 128), (640, 2048), (8192, 32768)
@@ -120,18 +120,6 @@ def check(device: torch.device, num_q: int = 2048) -> tuple[list[str], bool]:
     return rows, ok
 
 
-def _ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def bench(num_q: int, heads: int, topk: int, device: torch.device, reps: int, with_reference: bool) -> list[str]:
     """Timing rows of one (H, K, T)."""
     x = inputs(num_q, heads, topk, device)
@@ -148,17 +136,17 @@ def bench(num_q: int, heads: int, topk: int, device: torch.device, reps: int, wi
     def fwd_bwd(fn: Callable[..., Any]) -> Callable[[], Any]:
         return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
 
-    t = {"fwd": _ms(fwd(_triton(False)), reps)}
+    t = {"fwd": median_ms(fwd(_triton(False)), reps)}
     with gluon_forward():
-        t["gluon"] = _ms(fwd(_triton(False)), reps)
+        t["gluon"] = median_ms(fwd(_triton(False)), reps)
     rows = [f"{tag}| forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |",
             f"{tag}| forward (gluon) ms | {t['gluon']:.2f} | | {flops_f / t['gluon'] / 1e9:.0f} |"]
     for mode, det in (("atomic", False), ("deterministic", True)):
-        t[mode] = _ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
+        t[mode] = median_ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
         rows.append(f"{tag}| backward ({mode} dkv) ms | {t[mode]:.2f} | | {flops_b / t[mode] / 1e9:.0f} |")
     rows.append(f"{tag}| deterministic / atomic backward | {t['deterministic'] / t['atomic']:.2f}x | <= 1.25x | |")
     if with_reference:
-        ref = _ms(fwd_bwd(_reference), 1)
+        ref = median_ms(fwd_bwd(_reference), 1)
         total = t["fwd"] + t["atomic"]
         rows.append(f"{tag}| fwd+bwd ms, triton vs reference ops | {total:.2f} | {ref:.2f} | {ref / total:.1f}x speed-up |")
     return rows
