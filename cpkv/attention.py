@@ -35,7 +35,7 @@ from cpkv.collectives import BackwardOrder, Group, check_group
 from cpkv.comm import gather_from_sp_cp
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.exchange import exchange_rows
-from cpkv.index_keys import check_index_key_dtype, exchange_index_keys, round_index_keys
+from cpkv.index_keys import check_index_key_dtype, exchange_index_keys, round_index_keys, round_index_queries
 from cpkv.indexer_loss import attach_indexer_loss
 from cpkv.merge import merge_partials
 from cpkv.plan.attention import AttentionPlan
@@ -62,6 +62,10 @@ class AttentionSpec:
             (``None``: the compute dtype; ``torch.float32``, ``torch.bfloat16``, or
             ``torch.float8_e4m3fn`` with one fp32 scale per key, as DeepSeek's indexer);
             :mod:`cpkv.index_keys`.
+        index_query_dtype: INDEXER layers: the dtype the indexer queries are rounded to, per
+            token and head, for the selection and the KL loss (the same options; gradient
+            straight through). With both dtypes ``torch.float8_e4m3fn`` (DeepSeek's
+            indexer) a backend may score the fp8 payloads on fp8 tensor cores (CUDA does).
         compress_mode: the layer's mode when it does not follow DeepSeek-V4's rule (an indexer
             only at ratio 4): e.g. ``LayerCompressMode.INDEXER`` at ratio 8 or
             ``COMPRESSOR_ONLY`` at ratio 4 (Hugging Face's config allows both).
@@ -75,6 +79,12 @@ class AttentionSpec:
     indexer_loss: bool = True
     index_key_dtype: torch.dtype | None = None
     compress_mode: LayerCompressMode | None = None
+    index_query_dtype: torch.dtype | None = None
+
+    @property
+    def scores_in_fp8(self) -> bool:
+        """Whether the indexer's keys and queries are both rounded to fp8 e4m3 (backends may score their payloads)."""
+        return self.index_key_dtype is torch.float8_e4m3fn and self.index_query_dtype is torch.float8_e4m3fn
 
     @property
     def mode(self) -> LayerCompressMode:
@@ -89,6 +99,7 @@ class AttentionSpec:
         check_int("spec.topk", self.topk, minimum=1)
         check_int("spec.compress_ratio", self.compress_ratio, minimum=0)
         check_index_key_dtype("spec.index_key_dtype", self.index_key_dtype)
+        check_index_key_dtype("spec.index_query_dtype", self.index_query_dtype)
         if self.compress_mode is not None:
             if not isinstance(self.compress_mode, LayerCompressMode):
                 raise TypeError(f"spec.compress_mode must be a LayerCompressMode or None, got {type(self.compress_mode).__name__}")
@@ -337,7 +348,7 @@ def _entries(
     if not parts or keys is None or computed.queries is None:
         return parts, None
     q_index, weights = computed.queries
-    return parts, IndexerTensors(q_index, weights, keys)
+    return parts, IndexerTensors(round_index_queries(q_index, spec.index_query_dtype), weights, keys)
 
 
 def _check_module(
@@ -518,7 +529,8 @@ def attention_forward(
             cmp_rows = visible.visible_indices(offset=num_kv)
         else:
             with torch.no_grad():
-                picked = ops.indexer_topk(index.q_index, index.k_index, index.weights, plan.segments, visible, topk=spec.topk)
+                picked = ops.indexer_topk(index.q_index, index.k_index, index.weights, plan.segments, visible,
+                                          topk=spec.topk, fp8=spec.scores_in_fp8)
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
         indices = torch.cat([source.segments.window_indices(window), cmp_rows], dim=1)
@@ -542,7 +554,7 @@ def attention_forward(
             selected = torch.where(plan.valid_queries.to(selected.device)[:, None], selected, -1)
         attached = attach_indexer_loss(
             result.out, index.q_index, index.k_index, index.weights, selected, probs,
-            grad_scale=grad_scale, num_global_queries=plan.num_global_queries,
+            grad_scale=grad_scale, num_global_queries=plan.num_global_queries, kl=ops.indexer_kl,
         )
         result, loss = AttentionResult(attached.out, result.lse), attached.loss
     return AttentionOutput(order.attach(result.out), loss, ratio)

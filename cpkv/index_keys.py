@@ -1,7 +1,10 @@
-"""The lightning indexer's keys in the layer's key dtype: float32, bfloat16, or fp8 e4m3 with a scale.
+"""The lightning indexer's keys (and queries) in the layer's dtypes: float32, bfloat16, or fp8 e4m3 with a scale.
 
-DeepSeek's indexer keeps its keys in fp8 (e4m3) with one fp32 scale per key. A layer states
-the dtype in ``AttentionSpec.index_key_dtype``; cpkv then applies the same rounding everywhere
+DeepSeek's indexer keeps its keys in fp8 (e4m3) with one fp32 scale per key, and scores with
+fp8 queries (one scale per token and head). A layer states the dtypes in
+``AttentionSpec.index_key_dtype`` and ``AttentionSpec.index_query_dtype`` (queries are rounded
+per ``(t, h)`` row by :func:`round_index_queries`, the keys' rounding; they never travel);
+cpkv then applies the same rounding everywhere
 (the single-process oracle, the all-gather exchange, the need exchange), so equivalence stays
 exact, and the need exchange sends the keys in that format (docs/semantics.md, "The indexer
 and its KL loss"):
@@ -90,6 +93,17 @@ def round_index_keys(keys: Tensor, dtype: torch.dtype | None) -> Tensor:
         return keys
     result: Tensor = _round(keys, key_code(dtype))
     return result
+
+
+def round_index_queries(queries: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """Indexer queries ``[T, H_I, D_I]`` rounded per ``(t, h)`` row as :func:`round_index_keys` rounds a key.
+
+    fp8: one scale per token and head (``amax / 448`` over ``D_I``), DeepSeek's query format.
+    Same dtype as ``queries``; gradient straight through; ``None``: ``queries`` itself.
+    """
+    if dtype is None:
+        return queries
+    return round_index_keys(queries.reshape(-1, queries.shape[-1]), dtype).reshape(queries.shape)
 
 
 @torch.library.custom_op("cpkv::exchange_index_keys", mutates_args=())

@@ -24,14 +24,17 @@ indexer heads, ``D_I`` indexer dim, ``N_c`` indexer key rows, ``K`` selected ent
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from cpkv.checks import check_positive_int
 
-__all__ = ["IndexerLoss", "attach_indexer_loss", "kl_terms", "selected_index_scores"]
+__all__ = [
+    "IndexerKL", "IndexerLoss", "attach_indexer_loss", "indexer_kl_backward_op", "indexer_kl_op", "kl_terms",
+    "selected_index_scores",
+]
 
 _BLOCK_SIZE = 1024  # query rows per block of the indexer KL op
 
@@ -48,6 +51,22 @@ class IndexerLoss(NamedTuple):
 
     out: Tensor
     loss: Tensor
+
+
+class IndexerKL(Protocol):
+    """The contract of ``cpkv::indexer_kl`` (:func:`indexer_kl_op`) that a backend's kernels implement.
+
+    Called as ``kl(q_index, k_index, weights, selected, target, grad_factor)`` with the
+    arguments of :func:`indexer_kl_op`; returns ``(loss, anchor)`` (0-d fp32 each) whose
+    backward injects the gradients of ``grad_factor * sum_t KL_t`` whatever the upstream
+    gradients are. :meth:`cpkv.backends.base.AttentionBackend.indexer_kl` is one.
+    """
+
+    def __call__(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+    ) -> tuple[Tensor, Tensor]:
+        """``(loss, anchor)`` of the indexer KL over the selection."""
+        ...
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -189,7 +208,7 @@ indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 def attach_indexer_loss(
     out: Tensor, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, selected_probs: Tensor,
-    *, grad_scale: float, num_global_queries: int,
+    *, grad_scale: float, num_global_queries: int, kl: IndexerKL | None = None,
 ) -> IndexerLoss:
     """Attach the indexer KL loss to an attention output (fused, merged from ring rounds, ...).
 
@@ -207,6 +226,9 @@ def attach_indexer_loss(
             over heads, with the full denominator (window, entries and sink); no gradient.
         grad_scale: multiplies the indexer gradients (loss scale, micro-batch factor).
         num_global_queries: ``N``, query tokens of the whole CP group (>= 1).
+        kl: the op computing the loss and injecting its gradients (a backend's
+            :meth:`~cpkv.backends.base.AttentionBackend.indexer_kl`, e.g. the Triton kernels on
+            CUDA); None: :func:`indexer_kl_op` (pure torch).
 
     Returns:
         :class:`IndexerLoss` ``(out, loss)``: ``out`` equal in value to the input, ``loss`` 0-d
@@ -232,5 +254,5 @@ def attach_indexer_loss(
     valid = selected >= 0
     picked = torch.where(valid, selected_probs.detach().to(_acc(q_index.dtype)), 0.0)
     target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
-    loss, anchor = indexer_kl_op(q_index, k_index, weights, selected, target, grad_scale / num_global_queries)
+    loss, anchor = (kl or indexer_kl_op)(q_index, k_index, weights, selected, target, grad_scale / num_global_queries)
     return IndexerLoss(out + anchor.to(out.dtype), loss.detach())

@@ -2,8 +2,10 @@
 
 * ``round_index_keys`` against an independent quantizer (bf16 cast; fp8 e4m3 with
   ``scale = amax / 448`` per key), straight-through gradient;
-* an INDEXER layer with bf16 and fp8 keys under both exchanges at cp 2 and 3 equals the
-  single-process oracle with the same key dtype (fp32: summation order only, <= 1e-5);
+* ``round_index_queries`` rounds each ``(t, h)`` row as a key;
+* an INDEXER layer with bf16 keys, and with fp8 keys and queries (DeepSeek's indexer), under
+  both exchanges at cp 2 and 3 equals the single-process oracle with the same dtypes (fp32:
+  summation order only, <= 1e-5);
 * the need exchange sends the keys in that format: the bytes ``count_bytes`` sees for
   ``exchange_index_keys`` are ``rows * D * 2`` (bf16) and ``rows * (D + 4)`` (fp8).
 """
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from cpkv.commstats import count_bytes
-from cpkv.index_keys import round_index_keys
+from cpkv.index_keys import round_index_keys, round_index_queries
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config, reference_forward
@@ -29,7 +31,8 @@ RUNS = [(layout, exchange) for layout in ("contiguous", "zigzag", "balanced") fo
 def _plan(layout: str, exchange: str, world: int, rank: int) -> Any:
     cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
     return plan_attention(cu, world, rank, layout=layout, exchange=exchange, compress_ratios=[4], windows=[8])  # type: ignore[arg-type]
-DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
+DTYPES = {"bf16": (torch.bfloat16, None), "fp8": (FP8, FP8)}  # (index_key_dtype, index_query_dtype)
 
 
 def test_rounding_matches_an_independent_quantizer() -> None:
@@ -47,8 +50,20 @@ def test_rounding_matches_an_independent_quantizer() -> None:
     assert leaf.grad is not None and torch.equal(leaf.grad, torch.arange(16.0).expand(6, 16))
 
 
-def _layer(dtype: torch.dtype) -> V4Attention:
-    return V4Attention(V4Config(compress_ratio=4, window=8, topk=3, index_key_dtype=dtype), seed=3)
+def test_queries_round_per_token_and_head() -> None:
+    queries = torch.randn(3, 4, 16) * torch.logspace(-3, 3, 12).reshape(3, 4, 1)
+    rounded = round_index_queries(queries, FP8)
+    for t in range(3):
+        assert torch.equal(rounded[t], round_index_keys(queries[t], FP8))  # rows are (t, h): one scale each
+    assert round_index_queries(queries, None) is queries
+    leaf = queries.clone().requires_grad_(True)
+    round_index_queries(leaf, FP8).sum().backward()
+    assert leaf.grad is not None and torch.equal(leaf.grad, torch.ones_like(queries))
+
+
+def _layer(dtypes: tuple[torch.dtype, torch.dtype | None]) -> V4Attention:
+    keys, queries = dtypes
+    return V4Attention(V4Config(compress_ratio=4, window=8, topk=3, index_key_dtype=keys, index_query_dtype=queries), seed=3)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,8 @@ def _bad_calls(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
         ("grad_scale", lambda: attention_forward(q, kv, plan, None, spec=SPEC, grad_scale="2")),  # type: ignore[arg-type]
         ("sinks", lambda: attention_forward(q, kv, plan, None, spec=SPEC, sinks=torch.zeros(4, dtype=torch.int64))),
         ("spec.window", lambda: attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=24, window=0))),
+        ("spec.index_query_dtype must be None or one of", lambda: attention_forward(
+            q, kv, plan, None, spec=AttentionSpec(d_v=24, window=4, index_query_dtype=torch.float16))),
         # V4Attention.forward: compressor/indexer inputs checked on every rank
         ("x must be [T/cp, hidden]", lambda: cmp_layer(x[:, :32], need, None)),
         ("x must have the layer's dtype", lambda: cmp_layer(x.bfloat16(), need, None)),

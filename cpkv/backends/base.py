@@ -1,13 +1,14 @@
 """The narrow interface between the attention pipeline and the fused-op backends.
 
-A backend implements five primitives over packed (TND) tensors; the pipeline calls
+A backend implements six primitives over packed (TND) tensors; the pipeline calls
 nothing else (docs/semantics.md, "Backends"). Index plans arrive as plan objects built
 once per micro-batch (:class:`~cpkv.plan.segments.SegmentPlan`,
 :class:`~cpkv.plan.segments.EntryVisibility`, :class:`~cpkv.plan.segments.KeyRanges`), so a backend reads
 whatever convention its kernel wants (leading-zero int32 ``cu_seqlens_*`` for
 flash/varlen kernels, the Ascend host tuples ``actual_seq_*``, per-row key ranges)
 without a host sync. The indexer KL loss is attached once by the pipeline
-(:mod:`cpkv.indexer_loss`) from :meth:`AttentionBackend.selected_probs`.
+(:mod:`cpkv.indexer_loss`) from :meth:`AttentionBackend.selected_probs`, computed (and its
+gradients injected) by :meth:`AttentionBackend.indexer_kl`.
 
 A backend that cannot serve a call with a kernel falls back to the reference op with one
 ``UserWarning`` per backend instance and reason.
@@ -73,7 +74,19 @@ class AttentionBackend(Protocol):
 
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        visible: EntryVisibility, *, topk: int,
+        visible: EntryVisibility, *, topk: int, fp8: bool = False,
     ) -> Tensor:
-        """``[T_q, topk]`` int64 rows of ``k_index`` ``[N_c, D_I]`` with the highest visible scores, -1 padded."""
+        """``[T_q, topk]`` int64 rows of ``k_index`` ``[N_c, D_I]`` with the highest visible scores, -1 padded.
+
+        ``fp8``: q_index's ``(t, h)`` rows and k_index's rows are fp8-e4m3-rounded
+        (``AttentionSpec.scores_in_fp8``), so a backend may score their payloads on fp8 tensor
+        cores; the selection's meaning is unchanged."""
+        ...
+
+    def indexer_kl(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+    ) -> tuple[Tensor, Tensor]:
+        """``(loss, anchor)`` of ``cpkv::indexer_kl`` (:func:`cpkv.indexer_loss.indexer_kl_op`): the KL over the
+        selected entries ``[T_q, K]``, whose backward injects ``grad_factor`` times its gradients into
+        q_index, k_index and weights."""
         ...

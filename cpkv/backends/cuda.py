@@ -9,9 +9,10 @@ Routing (docs/backends.md):
   Triton sparse kernel (:mod:`cpkv.backends.triton`) through an index list (the window's
   rows, or the causal/ring range's rows), when the kv has one head (MQA, as in V4).
 * :meth:`CUDABackend.sparse_attention`, :meth:`CUDABackend.selected_probs` (from the
-  kernel's LSE) and :meth:`CUDABackend.indexer_topk` run the Triton kernels.
-* ``deterministic=True`` makes the Triton backward compute dkv without atomics
-  (bitwise reproducible; slower).
+  kernel's LSE), :meth:`CUDABackend.indexer_topk` and :meth:`CUDABackend.indexer_kl` (the
+  indexer loss and its backward) run the Triton kernels.
+* ``deterministic=True`` makes the Triton backwards compute dkv and the indexer's dk
+  without atomics (bitwise reproducible; slower).
 
 Kernel conventions: docs/semantics.md, "Fused ops: CUDA"; marshalling in docs/backends.md.
 
@@ -208,8 +209,9 @@ class CUDABackend:
         varlen_attn: the kernel function; default ``torch.nn.attention.varlen.varlen_attn``.
             Tests inject a stand-in with the same signature (trusted with any device).
         block_size: block size of the reference ops used for fallbacks.
-        deterministic: the Triton sparse backward computes dkv by a key-major pass over an
-            inverted index instead of fp32 atomics: bitwise reproducible run to run, slower.
+        deterministic: the Triton backwards (sparse attention's dkv, the indexer loss's dk)
+            sum by a key-major pass over an inverted index instead of fp32 atomics: bitwise
+            reproducible run to run, slower.
         triton_kernels: None (default) runs cpkv's Triton kernels on CUDA tensors where
             ``triton`` is importable; False never runs them (reference ops instead); True runs
             them on any device (CPU needs ``TRITON_INTERPRET=1`` before triton is imported: tests).
@@ -440,23 +442,51 @@ class CUDABackend:
 
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        visible: EntryVisibility, *, topk: int,
+        visible: EntryVisibility, *, topk: int, fp8: bool = False,
     ) -> Tensor:
         """``[T, topk]`` int64 visible rows of ``k_index`` with the highest indexer scores (one Triton launch, no host sync).
 
         Scores on tensor cores and the exact running top-k per query tile
         (``cpkv_triton::indexer_topk``); ties go to the earlier row; -1 padded; no gradient.
+        ``fp8`` (both inputs fp8-rounded, ``AttentionSpec.scores_in_fp8``): the rows are split
+        back into their e4m3 payloads and fp32 scales (:func:`~cpkv.backends.triton.indexer_ops.fp8_rows`:
+        the payloads exactly, the scales up to the compute dtype's rounding of the rounded
+        rows), the queries' scales fold into ``weights`` and the kernel scores on fp8 tensor
+        cores; else k_index is cast to q_index's dtype.
         """
         if not self._triton(q_index, "indexer top-k"):
-            return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
-        from cpkv.backends.triton import indexer_topk_op
+            return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk, fp8=fp8)
+        from cpkv.backends.triton.indexer_ops import fp8_rows, indexer_topk_op
 
+        q, k, w, k_scale = q_index.detach(), k_index.detach().to(q_index.dtype), weights.detach(), None
+        if fp8:
+            q, q_scale = fp8_rows(q)
+            k, k_scale = fp8_rows(k_index.detach())
+            w = w.float() * q_scale
         indices, _ = indexer_topk_op(
-            q_index.detach(), k_index.detach().to(q_index.dtype), weights.detach(), None,
-            visible.visible_start.to(q_index.device), visible.visible_count.to(q_index.device), topk,
+            q, k, w, k_scale, visible.visible_start.to(q_index.device), visible.visible_count.to(q_index.device), topk,
         )
         result: Tensor = indices
         return result
+
+    def indexer_kl(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+    ) -> tuple[Tensor, Tensor]:
+        """``(loss, anchor)`` of the indexer KL on the Triton kernels (``cpkv_triton::indexer_kl``).
+
+        The selected scores, and in the backward their recomputation, ``dq``, ``dw`` and
+        ``dk``, run over the ``[T, K]`` selection only (never ``[T, N_c]``); ``dk`` is summed by
+        fp32 atomics, or in a fixed key-major order with ``deterministic=True``. k_index is
+        cast to q_index's dtype (differentiably). Contract: :func:`cpkv.indexer_loss.indexer_kl_op`.
+        """
+        if not self._triton(q_index, "indexer KL"):
+            return self._reference.indexer_kl(q_index, k_index, weights, selected, target, grad_factor)
+        from cpkv.backends.triton.indexer_ops import indexer_kl_op
+
+        loss, anchor = indexer_kl_op(
+            q_index, k_index.to(q_index.dtype), weights, selected, target, float(grad_factor), self.deterministic,
+        )
+        return loss, anchor
 
 
 def _torch_varlen_attn() -> Callable[..., Any] | None:

@@ -336,7 +336,7 @@ class NPUBackend:
 
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        visible: EntryVisibility, *, topk: int,
+        visible: EntryVisibility, *, topk: int, fp8: bool = False,
     ) -> Tensor:
         """``npu_lightning_indexer`` top-k, one call per residue of the query positions mod ``m``.
 
@@ -344,14 +344,15 @@ class NPUBackend:
             q_index: ``[T, H_I, D_I]``. k_index: ``[N_c, D_I]`` (cast to q's dtype, as the
                 kernel requires). weights: ``[T, H_I]``. segments: the plan (query
                 positions and document rows). visible: the entries each query may see, at
-                the indexer's ratio. topk: entries per query.
+                the indexer's ratio. topk: entries per query. fp8: unused (the kernel takes
+                q's dtype).
 
         Returns:
             ``[T, topk]`` int64 absolute rows of ``k_index``, -1 padded.
         """
         reason = self._dtype_reason("npu_lightning_indexer", q_index.dtype, SPARSE_DTYPES)
         if self._fallback(reason):
-            return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk)
+            return self._reference.indexer_topk(q_index, k_index, weights, segments, visible, topk=topk, fp8=fp8)
         result = torch.full((q_index.shape[0], topk), -1, dtype=torch.int64, device=q_index.device)
         if q_index.shape[0] == 0 or visible.num_entries == 0:
             return result
@@ -366,3 +367,13 @@ class NPUBackend:
             relative = indices[:, 0, :].long()
             result[call.rows] = torch.where(relative >= 0, relative + call.key_start[:, None], -1)
         return result
+
+    def indexer_kl(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+    ) -> tuple[Tensor, Tensor]:
+        """``(loss, anchor)`` of the reference ``cpkv::indexer_kl`` (torch ops on the device tensors).
+
+        No torch_npu op is called for it (docs/backends.md); contract:
+        :func:`cpkv.indexer_loss.indexer_kl_op`.
+        """
+        return self._reference.indexer_kl(q_index, k_index, weights, selected, target, grad_factor)

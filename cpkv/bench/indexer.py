@@ -11,7 +11,10 @@
 * **launches and host syncs**: the op's launch builder run on ``meta`` tensors of those
   shapes inside a dispatch mode that counts the torch kernels it would run (anything but
   allocations and views) and the host syncs (``aten._local_scalar_dense``: ``.item()``,
-  ``int()``, ``bool()`` of a tensor), plus the Triton launches it returns.
+  ``int()``, ``bool()`` of a tensor), plus the Triton launches it returns;
+* **the KL loss** (``cpkv_triton::indexer_kl`` and its backward, atomic and deterministic):
+  the same counts for the ops' own bodies run on ``meta`` tensors, their launches collected
+  instead of run.
 
 GPU times: ``benchmarks/indexer_check.py`` (docs/gpu_check.md).
 """
@@ -26,10 +29,11 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpkv.backends.triton.indexer_ops import indexer_tiles, indexer_topk_launches
+from cpkv.backends.triton.indexer_ops import indexer_kl_backward, indexer_kl_forward, indexer_tiles, indexer_topk_launches
+from cpkv.backends.triton.launches import KernelLaunch
 from cpkv.plan.attention import plan_attention
 
-__all__ = ["IndexerWork", "indexer_work", "main", "work_table"]
+__all__ = ["IndexerWork", "KLCalls", "indexer_work", "kl_calls", "kl_table", "main", "work_table"]
 
 FREE_OPS = {"empty", "empty_strided", "detach", "view", "alias", "as_strided", "t", "transpose", "expand", "slice", "select"}
 SYNC_OPS = {"_local_scalar_dense", "item", "equal", "is_nonzero"}
@@ -127,6 +131,60 @@ def indexer_work(cu_seqlens: Tensor, cp: int, rank: int, *, ratio: int = 4, head
     )
 
 
+@dataclass(frozen=True)
+class KLCalls:
+    """Launches, torch kernels and host syncs of the indexer KL loss per layer call (its forward and backward).
+
+    Attributes:
+        forward, backward, backward_deterministic: ``(Triton launches, torch kernels, host syncs)``;
+            the backward's with atomic dk, and with the key-major dk.
+    """
+
+    forward: tuple[int, int, int]
+    backward: tuple[int, int, int]
+    backward_deterministic: tuple[int, int, int]
+
+
+def kl_calls(queries: int, entries: int, *, heads: int = 64, dim: int = 128, topk: int = 512,
+             dtype: torch.dtype = torch.bfloat16) -> KLCalls:
+    """Count the KL loss's launches, torch kernels and host syncs for ``queries`` x ``topk`` selected of ``entries`` keys.
+
+    Runs the bodies of ``cpkv_triton::indexer_kl`` and ``cpkv_triton::indexer_kl_backward``
+    (:func:`~cpkv.backends.triton.indexer_ops.indexer_kl_forward`, ``indexer_kl_backward``)
+    on ``meta`` tensors with a launch collector; nothing executes.
+    """
+    meta = torch.device("meta")
+    q = torch.empty((queries, heads, dim), dtype=dtype, device=meta)
+    k = torch.empty((entries, dim), dtype=dtype, device=meta)
+    w = torch.empty((queries, heads), dtype=torch.float32, device=meta)
+    sel = torch.empty((queries, topk), dtype=torch.int64, device=meta)
+    target = torch.empty((queries, topk), dtype=torch.float32, device=meta)
+
+    def count(call: Any) -> tuple[int, int, int]:
+        launched: list[KernelLaunch] = []
+        counter = _Counter()
+        with counter:
+            call(launched.extend)
+        return len(launched), counter.kernels, counter.syncs
+
+    return KLCalls(
+        forward=count(lambda run: indexer_kl_forward(q, k, w, sel, target, run)),
+        backward=count(lambda run: indexer_kl_backward(q, k, w, sel, target, 0.5, False, run)),
+        backward_deterministic=count(lambda run: indexer_kl_backward(q, k, w, sel, target, 0.5, True, run)),
+    )
+
+
+def kl_table(calls: KLCalls) -> list[str]:
+    """Markdown rows: the KL loss's launches, torch kernels and host syncs per layer call."""
+    rows = ["| KL loss call | Triton launches | torch kernels | host syncs |", "|---|---|---|---|"]
+    for name, (launches, kernels, syncs) in (
+        ("forward", calls.forward), ("backward (atomic dk)", calls.backward),
+        ("backward (deterministic dk)", calls.backward_deterministic),
+    ):
+        rows.append(f"| {name} | {launches} | {kernels} | {syncs} |")
+    return rows
+
+
 def work_table(cases: dict[str, IndexerWork]) -> list[str]:
     """Markdown rows: counted vs executed work, launches and host syncs per layer call."""
     rows = [
@@ -162,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             cases[label] = indexer_work(cu, args.cp, args.cp - 1, topk=args.topk, dtype=dtype)
     print(f"Indexer layer call (ratio 4, H_I 64, D_I 128, top-{args.topk}), {total:,} tokens at cp {args.cp}, last rank:\n")
     print("\n".join(work_table(cases)))
+    last = cases["one document, bfloat16"]
+    print(f"\nIndexer KL loss of that call (bf16, top-{args.topk} of {last.entries:,} entries, {last.queries:,} queries):\n")
+    print("\n".join(kl_table(kl_calls(last.queries, last.entries, topk=args.topk))))
     return 0
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from cpkv.compress_mode import LayerCompressMode
-from cpkv.index_keys import round_index_keys
+from cpkv.index_keys import round_index_keys, round_index_queries
 from cpkv.plan.conventions import token_positions, validate_cu_seqlens
 from cpkv.plan.segments import CompressedPlan, plan_segments
 from cpkv.v4.indexer import Indexer
@@ -91,7 +91,9 @@ def reference_forward(layer: V4Attention, x: Tensor, cu_seqlens: Tensor, *, grad
         visible = (entry_doc[None, :] == docs[:, None]) & (entry_j[None, :] < (positions[:, None] + 1) // c.compress_ratio)
         chosen = visible
         if c.mode is LayerCompressMode.INDEXER and layer.indexer is not None:
-            chosen, index_scores = _indexer_selection(layer.indexer, c.topk, x, positions, cmp_plan, visible, c.index_key_dtype)
+            chosen, index_scores = _indexer_selection(
+                layer.indexer, c.topk, x, positions, cmp_plan, visible, c.index_key_dtype, c.index_query_dtype,
+            )
         keys = torch.cat([kv, compressed.to(kv.dtype)])
         mask = torch.cat([mask, chosen], dim=1)
     scale = c.head_dim**-0.5
@@ -105,10 +107,11 @@ def reference_forward(layer: V4Attention, x: Tensor, cu_seqlens: Tensor, *, grad
 
 def _indexer_selection(
     indexer: Indexer, topk: int, x: Tensor, positions: Tensor, cmp_plan: CompressedPlan, visible: Tensor,
-    key_dtype: torch.dtype | None,
+    key_dtype: torch.dtype | None, query_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor]:
-    """Top-k mask ``[T, N_c]`` over visible entries and the dense indexer scores."""
+    """Top-k mask ``[T, N_c]`` over visible entries and the dense indexer scores (keys and queries rounded)."""
     q_index, weights = indexer.queries(x.detach(), positions)
+    q_index = round_index_queries(q_index, query_dtype)
     k_index = indexer.keys(x.detach(), cmp_plan)
     if k_index is None:
         raise RuntimeError("the indexer's compressor returned None while the main compressor did not")

@@ -42,6 +42,7 @@ class V4Config:
     sinks: bool = True
     index_key_dtype: torch.dtype | None = None
     compress_mode: LayerCompressMode | None = None
+    index_query_dtype: torch.dtype | None = None
 
     @property
     def d_v(self) -> int:
@@ -59,6 +60,7 @@ class V4Config:
         return AttentionSpec(
             d_v=self.d_v, compress_ratio=self.compress_ratio, window=self.window, topk=self.topk,
             index_key_dtype=self.index_key_dtype, compress_mode=self.compress_mode,
+            index_query_dtype=self.index_query_dtype,
         )
 
 

@@ -179,12 +179,14 @@ def test_one_launch_and_no_host_sync() -> None:
 
 
 def test_aot_launches_build_on_meta_tensors() -> None:
-    """The compile report's launches: fp8 (with key scales) and bf16 for a bf16 case, fp32 for fp32, GPU tiles
-    (the KL path's kernels are not issued by any op yet, so they are not listed)."""
+    """The compile report's launches: fp8 (with key scales) and bf16 for a bf16 case, fp32 for fp32, GPU tiles,
+    then the KL path's (scores, gradients with atomic dk, gradients and the key-major dk) in the case's dtype."""
     case = AOTCase("V4", torch.bfloat16, 8192, 10240, 64, 512, 512, 640, 64, 128, 512, 2048)
     launches = aot_launches(case)
-    names = ["indexer_topk float8_e4m3fn", "indexer_topk bfloat16"]
+    kl = ["indexer_selected_scores", "indexer_selected_grads_atomic", "indexer_selected_grads", "indexer_dk_keymajor"]
+    names = ["indexer_topk float8_e4m3fn", "indexer_topk bfloat16", *kl]
     assert [x.name for x in launches] == names
+    assert launches[3].constexprs["ATOMIC_DK"] and not launches[4].constexprs["ATOMIC_DK"]
     fp8, bf16 = launches[:2]
     assert all(x.args[0].dtype == torch.bfloat16 for x in launches[1:])
     assert fp8.args[0].dtype == torch.float8_e4m3fn and fp8.args[0].device.type == "meta"
@@ -194,8 +196,8 @@ def test_aot_launches_build_on_meta_tensors() -> None:
     tiles = indexer_tiles(torch.device("meta"), 128, 512)
     assert (fp8.constexprs["BLOCK_T"], fp8.constexprs["BLOCK_N"], fp8.constexprs["SORT"]) == (tiles.block_t, tiles.block_n, 1024)
     f32, *rest = aot_launches(AOTCase("fp32", torch.float32, 64, 80, 4, 64, 64, 16, 4, 32, 16, 64))
-    assert rest == []
-    assert f32.args[0].dtype == torch.float32 and f32.constexprs["PREC"] == "ieee"
+    assert [x.name for x in rest] == kl
+    assert all(x.args[0].dtype == torch.float32 and x.constexprs.get("PREC", "ieee") == "ieee" for x in [f32, *rest])
 
 
 def test_bad_dtypes_and_scales_are_refused() -> None:
@@ -253,15 +255,19 @@ def _kl_inputs(integer: bool) -> tuple[Tensor, ...]:
     return q, k, w, sel, target
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("integer", [True, False], ids=["integers", "random"])
-def test_kl_path_matches_the_torch_ops(integer: bool) -> None:
-    """Scores, loss and gradients of the KL path's kernels against ``cpkv.indexer_loss``'s torch ops (fp32).
+def test_kl_path_matches_the_torch_ops(integer: bool, deterministic: bool) -> None:
+    """Scores, loss and gradients of ``cpkv_triton::indexer_kl`` against ``cpkv::indexer_kl``'s torch ops (fp32).
 
     Integer scores are exact; the loss and gradients go through exp/log: ``1e-5`` relative to the
-    largest magnitude (fp32 ulps over <= 40 terms; dk sums up to 40 terms per row).
+    largest magnitude (fp32 ulps over <= 40 terms; dk sums up to 40 terms per row, many rows
+    selected several times, as the atomic and the key-major dk must both handle).
     """
-    from cpkv.backends.triton.indexer_ops import indexer_kl_backward, indexer_kl_forward, selected_scores_op
-    from cpkv.indexer_loss import indexer_kl_backward_op, indexer_kl_op, selected_index_scores
+    from cpkv.backends.triton.indexer_ops import indexer_kl_backward_op, indexer_kl_op, selected_scores_op
+    from cpkv.indexer_loss import indexer_kl_backward_op as ref_backward
+    from cpkv.indexer_loss import indexer_kl_op as ref_kl
+    from cpkv.indexer_loss import selected_index_scores
 
     q, k, w, sel, target = _kl_inputs(integer)
     clean = torch.where((sel >= 0) & (sel < k.shape[0]), sel, -1)
@@ -271,12 +277,71 @@ def test_kl_path_matches_the_torch_ops(integer: bool) -> None:
         assert torch.equal(scores, want)
     else:
         _close(scores, want, 1e-5)
-    loss = indexer_kl_forward(q, k, w, sel, target)
-    want_loss = indexer_kl_op(q, k, w, clean, target, 0.5)[0]
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, w)]
+    loss, anchor = indexer_kl_op(*leaves, sel, target, 0.5, deterministic)
+    _close(loss.reshape(1), ref_kl(q, k, w, clean, target, 0.5)[0].reshape(1), 1e-5)
+    assert anchor.item() == 0.0
+    (loss * 7.0 + anchor).backward()  # the upstream gradient is ignored: the injected one is grad_factor's
+    want_grads = ref_backward(q, k, w, clean, target, 0.5)
+    for leaf, r in zip(leaves, want_grads):
+        assert leaf.grad is not None and leaf.grad.shape == r.shape and leaf.grad.dtype == r.dtype
+        _close(leaf.grad, r, 1e-5)
+    again = indexer_kl_backward_op(q, k, w, sel, target, 0.5, deterministic)
+    if deterministic:  # a fixed summation order: the same bits on every run
+        assert all(torch.equal(a, leaf.grad) for a, leaf in zip(again, leaves))
+
+
+def test_deterministic_dk_reads_only_its_key_rows() -> None:
+    """The key-major dk pass: rows nobody selected get exactly 0; a row selected once gets that one term."""
+    from cpkv.backends.triton.indexer_ops import selected_grads_op
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, w = torch.randn(3, 2, 16, generator=gen), torch.randn(6, 16, generator=gen), torch.rand(3, 2, generator=gen)
+    sel = torch.tensor([[4, -1], [4, 1], [-1, 7]])  # row 7 is past N_c = 6: padding
+    ds = torch.randn(3, 2, generator=gen)
+    _, dk, _ = selected_grads_op(q, k, w, sel, ds, True)
+    _, dk_atomic, _ = selected_grads_op(q, k, w, sel, ds, False)
+    assert torch.equal(dk[[0, 2, 3, 5]], torch.zeros(4, 16))
+    dots = torch.einsum("hd,d->h", q[1], k[1])
+    torch.testing.assert_close(dk[1], ((dots > 0) * ds[1, 1] * w[1]) @ q[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dk, dk_atomic, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_backend_attaches_the_loss_through_the_triton_op() -> None:
+    """``attach_indexer_loss(kl=CUDABackend.indexer_kl)`` dispatches ``cpkv_triton::indexer_kl`` (not the torch op)
+    and gives the reference backend's loss and injected gradients (fp32, 1e-5 as above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cpkv.backends.cuda import CUDABackend
+    from cpkv.backends.reference import ReferenceBackend
+    from cpkv.indexer_loss import attach_indexer_loss
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    q, k, w, sel, target = _kl_inputs(False)
+    sel = torch.where((sel >= 0) & (sel < k.shape[0]), sel, -1)
+    results = []
+    for backend in (CUDABackend(triton_kernels=True), ReferenceBackend()):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, w)]
+        out = torch.zeros(q.shape[0], 2, 4, requires_grad=True)
+        with Ops() as ops:
+            attached = attach_indexer_loss(out, *leaves, sel, target, grad_scale=2.0, num_global_queries=8,
+                                           kl=backend.indexer_kl)
+            attached.out.sum().backward()
+        results.append((attached.loss, [leaf.grad for leaf in leaves], ops.names))
+    (loss, grads, names), (want_loss, want_grads, want_names) = results
+    assert "cpkv_triton.indexer_kl" in names and "cpkv.indexer_kl" not in names
+    assert "cpkv.indexer_kl" in want_names
     _close(loss.reshape(1), want_loss.reshape(1), 1e-5)
-    got = indexer_kl_backward(q, k, w, sel, target, 0.5)
-    for g, r in zip(got, indexer_kl_backward_op(q, k, w, clean, target, 0.5)):
-        assert g.shape == r.shape and g.dtype == r.dtype
+    for g, r in zip(grads, want_grads):
+        assert g is not None and r is not None
         _close(g, r, 1e-5)
 
 
@@ -325,3 +390,39 @@ def test_key_scales_multiply_the_head_sums() -> None:
     got = indexer_topk_op(q, k, w, scale, start, count, 6)
     want = ref_topk(q, k * scale[:, None], w, start, start + count, 6, 16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fp8_layer_scores_pass_the_payloads_and_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CUDABackend.indexer_topk(..., fp8=True)`` on fp8-rounded rows calls the op with e4m3 payloads, the keys'
+    scales and the queries' scales folded into the weights; run on those (dequantized in fp32: the interpreter
+    cannot run fp8 dots), it selects what the reference selects from the rounded rows."""
+    from cpkv.backends.cuda import CUDABackend
+    from cpkv.backends.reference import ReferenceBackend
+    from cpkv.backends.triton import indexer_ops
+    from cpkv.index_keys import round_index_keys, round_index_queries
+    from cpkv.plan.segments import plan_segments
+
+    fp8 = torch.float8_e4m3fn
+    cu = torch.tensor([0, 14, 40])
+    segments = plan_segments(cu, cu, compress_ratios=[4])
+    visible = segments.visible_for(4)
+    gen = torch.Generator().manual_seed(13)
+    q = round_index_queries(torch.randn(40, 2, 16, generator=gen) * torch.logspace(-2, 2, 40)[:, None, None], fp8)
+    k = round_index_keys(torch.randn(visible.num_entries, 16, generator=gen), fp8)
+    w = torch.rand(40, 2, generator=gen)
+    seen: list[tuple[Tensor, ...]] = []
+
+    def dequantized(q8: Tensor, k8: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tensor, count: Tensor,
+                    topk: int) -> tuple[Tensor, Tensor]:
+        assert k_scale is not None
+        seen.append((q8, k8, weights, k_scale))
+        return indexer_topk_op(q8.float(), k8.float(), weights, k_scale, start, count, topk)
+
+    monkeypatch.setattr(indexer_ops, "indexer_topk_op", dequantized)
+    got = CUDABackend(triton_kernels=True).indexer_topk(q, k, w, segments, visible, topk=4, fp8=True)
+    (q8, k8, weights, k_scale), = seen
+    assert q8.dtype == fp8 and k8.dtype == fp8 and weights.dtype == torch.float32
+    assert torch.equal(k8.float() * k_scale[:, None], k)  # fp32 rows: the round trip is exact
+    q_scale = weights / w
+    torch.testing.assert_close(q8.float() * q_scale[..., None], q, rtol=1e-6, atol=0)
+    assert torch.equal(got, ReferenceBackend().indexer_topk(q, k, w, segments, visible, topk=4))

@@ -28,3 +28,13 @@ def test_fp8_and_the_subcommand(capsys: Any) -> None:
     assert main(["indexer", "--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| one document, float8_e4m3fn | 2,048 |" in out and "host syncs |" in out
+
+
+def test_kl_loss_launches_and_no_host_sync() -> None:
+    """The KL loss's bodies on meta tensors: 1 launch forward, 2 backward (3 with the key-major dk), never a sync."""
+    from cpkv.bench.indexer import kl_calls
+
+    calls = kl_calls(96, 40, heads=4, dim=32, topk=8)
+    assert [c[0] for c in (calls.forward, calls.backward, calls.backward_deterministic)] == [1, 2, 3]
+    assert calls.forward[2] == calls.backward[2] == calls.backward_deterministic[2] == 0
+    assert calls.backward_deterministic[1] > calls.backward[1] > 0  # the inverted selection's sort

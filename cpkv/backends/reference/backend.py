@@ -16,6 +16,7 @@ from cpkv.backends.reference.indexer import indexer_topk_op
 from cpkv.backends.reference.sparse import selected_probs_op, sparse_attention_op
 from cpkv.backends.reference.varlen import range_attention_op
 from cpkv.checks import check_positive_int
+from cpkv.indexer_loss import indexer_kl_op
 from cpkv.plan.segments import EntryVisibility, SegmentPlan
 
 __all__ = ["ReferenceBackend"]
@@ -98,12 +99,13 @@ class ReferenceBackend:
 
     def indexer_topk(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, segments: SegmentPlan,
-        visible: EntryVisibility, *, topk: int,
+        visible: EntryVisibility, *, topk: int, fp8: bool = False,
     ) -> Tensor:
         """``[T, topk]`` int64 rows of ``k_index`` ``[N_c, D_I]`` with the highest visible scores, -1 padded.
 
         Query ``t`` picks among rows ``[visible_start[t], visible_start[t] + visible_count[t])``;
-        ties go to the earlier row. No gradient.
+        ties go to the earlier row. No gradient. ``fp8`` (the inputs are fp8-rounded) changes
+        nothing here: the scores are computed from the rounded values in fp32.
         """
         start = visible.visible_start.to(q_index.device, torch.int64)
         end = start + visible.visible_count.to(q_index.device, torch.int64)
@@ -112,3 +114,15 @@ class ReferenceBackend:
         )
         result: Tensor = indices
         return result
+
+    def indexer_kl(
+        self, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+    ) -> tuple[Tensor, Tensor]:
+        """``(loss, anchor)`` of the pure-torch ``cpkv::indexer_kl`` (:func:`cpkv.indexer_loss.indexer_kl_op`).
+
+        q_index ``[T, H_I, D_I]``, k_index ``[N_c, D_I]``, weights ``[T, H_I]`` float;
+        selected ``[T, K]`` int, -1 padded; target ``[T, K]`` float (0 at padding). The loss is
+        0-d fp32; the backward injects the gradients of ``grad_factor * sum_t KL_t``.
+        """
+        loss, anchor = indexer_kl_op(q_index, k_index, weights, selected, target, grad_factor)
+        return loss, anchor

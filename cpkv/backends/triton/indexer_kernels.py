@@ -201,21 +201,25 @@ def indexer_selected_grads_kernel(
     N, H, DI, K,
     stride_qt, stride_qh, stride_kn, stride_wt, stride_st,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    ATOMIC_DK: tl.constexpr,
 ):
-    """Gradients of ``sum_{t, k} ds[t, k] * I[t, k]`` (``I`` as above) w.r.t. q, k and w, in fp32.
+    """Gradients of ``sum_{t, k} ds[t, k] * I[t, k]`` (``I`` as above) w.r.t. q, w and (``ATOMIC_DK``) k, in fp32.
 
     ``ds`` ``[T, K]`` fp32 contiguous (0 at padding). One program per query: over chunks of
     its selection, ``d_dots = ds * w * (dots > 0)``; ``dq[t] = d_dots . keys``,
-    ``dw[t, h] = sum_k ds * relu(dots)`` (stored, ``[T, H]`` and ``[T, H, D]`` contiguous) and
-    ``dk[sel] += d_dots^T . q[t]`` with fp32 atomics (``[N, D]`` contiguous; padding adds
-    nothing). Grid ``(T,)``.
+    ``dw[t, h] = sum_k ds * relu(dots)`` (stored, ``[T, H_I, D_I]`` and ``[T, H_I]`` contiguous)
+    and, with ``ATOMIC_DK``, ``dk[sel] += d_dots^T . q[t]`` with fp32 atomics (``[N, D_I]``
+    contiguous; padding adds nothing); without it :func:`indexer_dk_kernel` sums dk in a
+    fixed order. The dots take q and the keys in their own dtype (bf16/fp16: tensor cores,
+    fp32 accumulation) and ``d_dots`` rounded to it, as flash attention's backward rounds
+    ``dS``; fp32 stays fp32. Grid ``(T,)``.
     """
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h, mask_d = offs_h < H, offs_d < DI
     q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     w = tl.load(w_ptr + t * stride_wt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     dw = tl.zeros([BLOCK_H], tl.float32)
@@ -225,14 +229,57 @@ def indexer_selected_grads_kernel(
         valid = (rows >= 0) & (rows < N)
         safe = tl.where(valid, rows, 0).to(tl.int64)
         keys = tl.load(k_ptr + safe[:, None] * stride_kn + offs_d[None, :],
-                       mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                       mask=valid[:, None] & mask_d[None, :], other=0.0)
         ds = tl.load(ds_ptr + t * K + kk, mask=(kk < K) & valid, other=0.0)
         dots = tl.dot(q, tl.trans(keys), input_precision=PREC)
         dw += tl.sum(ds[None, :] * tl.maximum(dots, 0.0), 1)
-        d_dots = tl.where(dots > 0, ds[None, :] * w[:, None], 0.0)
+        d_dots = tl.where(dots > 0, ds[None, :] * w[:, None], 0.0).to(q.dtype)
         dq += tl.dot(d_dots, keys, input_precision=PREC)
-        dk = tl.dot(tl.trans(d_dots), q, input_precision=PREC)
-        tl.atomic_add(dk_ptr + safe[:, None] * DI + offs_d[None, :], dk, mask=valid[:, None] & mask_d[None, :],
-                      sem="relaxed")
+        if ATOMIC_DK:  # dk^T = q^T d_dots: D_I is the MMA's M (a multiple of 64), whatever BLOCK_K is
+            dk_t = tl.dot(tl.trans(q), d_dots, input_precision=PREC)
+            tl.atomic_add(dk_ptr + safe[None, :] * DI + offs_d[:, None], dk_t, mask=mask_d[:, None] & valid[None, :],
+                          sem="relaxed")
     tl.store(dq_ptr + t * H * DI + offs_h[:, None] * DI + offs_d[None, :], dq, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(dw_ptr + t * H + offs_h, dw, mask=mask_h)
+
+
+@triton.jit
+def indexer_dk_kernel(
+    q_ptr, k_ptr, w_ptr, ds_ptr, pair_ptr, row_ptr, dk_ptr,
+    H, DI, K,
+    stride_qt, stride_qh, stride_kn, stride_wt,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``dk[j] = sum over the (t, k) selecting j of sum_h d_dots[t, h, k] q[t, h]``, in a fixed order (deterministic).
+
+    Key-major over the inverted selection: ``pair`` lists the flat positions ``t * K + k``
+    of the valid selected entries grouped by key row (``row_ptr`` ``[N + 1]``, each group
+    in ``(t, k)`` order, :func:`cpkv.backends.triton.ops.inverted_pairs`). Program ``j``
+    walks its group ``BLOCK_R`` entries at a time: it recomputes ``dots = q[t, h] . k[j]``
+    and ``d_dots = ds[t, k] * w[t, h] * (dots > 0)`` in fp32 (CUDA cores) and adds
+    ``sum_{r, h} d_dots q[t, h]``: one store per key, no atomics, the same summation
+    order on every run. ``dk`` ``[N, D_I]`` fp32 contiguous. Grid ``(N,)``.
+    """
+    j = tl.program_id(0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < DI
+    lo = tl.load(row_ptr + j)
+    hi = tl.load(row_ptr + j + 1)
+    kj = tl.load(k_ptr + j * stride_kn + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for p0 in range(lo, hi, BLOCK_R):
+        p = p0 + offs_r
+        live = p < hi
+        flat = tl.load(pair_ptr + p, mask=live, other=0).to(tl.int64)
+        t = flat // K
+        ds = tl.load(ds_ptr + flat, mask=live, other=0.0)
+        mask_rh = live[:, None] & mask_h[None, :]
+        w = tl.load(w_ptr + t[:, None] * stride_wt + offs_h[None, :], mask=mask_rh, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + t[:, None, None] * stride_qt + offs_h[None, :, None] * stride_qh + offs_d[None, None, :],
+                    mask=mask_rh[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        dots = tl.sum(q * kj[None, None, :], 2)
+        d_dots = tl.where(dots > 0, ds[:, None] * w, 0.0)
+        acc += tl.sum(tl.sum(d_dots[:, :, None] * q, 1), 0)
+    tl.store(dk_ptr + j * DI + offs_d, acc, mask=mask_d)

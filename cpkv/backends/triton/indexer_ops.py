@@ -27,7 +27,9 @@ heads, ``D_I`` indexer dim, ``N_c`` key rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,12 +39,15 @@ from cpkv.index_keys import FP8_MAX
 from cpkv.indexer_loss import kl_terms
 
 __all__ = [
-    "IndexerTiles", "aot_launches", "fp8_rows", "indexer_kl_backward", "indexer_kl_forward", "indexer_tiles",
-    "indexer_topk_launches", "indexer_topk_op", "selected_grads_op", "selected_launches", "selected_scores_op",
+    "IndexerTiles", "LaunchRunner", "SelectedTiles", "aot_launches", "fp8_rows", "indexer_kl_backward",
+    "indexer_kl_backward_op", "indexer_kl_forward", "indexer_kl_op", "indexer_tiles", "indexer_topk_launches",
+    "indexer_topk_op", "run_launches", "selected_grads_op", "selected_launches", "selected_scores_op", "selected_tiles",
 ]
 
 FP8 = torch.float8_e4m3fn
 SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
+LaunchRunner = Callable[[list[KernelLaunch]], None]
+"""What the op bodies hand their launches to: :func:`run_launches`, or a bench's counter."""
 META_SMS = 132  # programs of a meta-tensor (compile-only) launch: an H100/H200's SM count
 
 
@@ -65,6 +70,12 @@ class IndexerTiles:
     sort: int
     warps: int
     stages: int
+
+
+def run_launches(launches: list[KernelLaunch]) -> None:
+    """Run each launch in order (what the ops do with the launches they build)."""
+    for launch in launches:
+        launch()
 
 
 def _pow2(n: int, low: int = 1) -> int:
@@ -213,8 +224,7 @@ def indexer_topk_op(
         beyond dtypes (``TypeError``/``ValueError`` as :func:`indexer_topk_launches`).
     """
     launches, indices, scores = indexer_topk_launches(q, k, weights, k_scale, start, count, topk)
-    for launch in launches:
-        launch()
+    run_launches(launches)
     return indices, scores
 
 
@@ -225,29 +235,72 @@ def _(q: Tensor, k: Tensor, weights: Tensor, k_scale: Tensor | None, start: Tens
     return q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class SelectedTiles:
+    """Tile sizes of the KL path's launches (:func:`selected_launches`).
+
+    Attributes:
+        block_h: heads (``H_I`` rounded up to a power of two, at least 16: the MMA's M).
+        block_d: channels (``D_I`` rounded up, at least 16).
+        scores_k, grads_k: selected entries per chunk of the scores and of the query-major gradient launch.
+        block_r: entries per step of the deterministic key-major dk launch.
+        scores_warps, grads_warps, dk_warps: their Triton warps.
+    """
+
+    block_h: int
+    block_d: int
+    scores_k: int
+    grads_k: int
+    block_r: int
+    scores_warps: int
+    grads_warps: int
+    dk_warps: int
+
+
+def selected_tiles(device: torch.device, heads: int, dim: int, dtype: torch.dtype) -> SelectedTiles:
+    """The KL path's tiles for a device type and dtype.
+
+    fp16/bf16 on CUDA and ``meta``: one warpgroup (4 warps), so the chained dots of the
+    gradients are not computed twice by two warpgroups; 64 entries a chunk for the scores,
+    32 for the gradients (64 spills with the atomic dk). fp32 there: IEEE dot products on
+    CUDA cores, 16 entries a chunk on 8 warps (bigger chunks or fewer warps spill). The CPU
+    interpreter: 32 entries, 4 warps.
+    """
+    block_h, block_d = _pow2(heads, 16), _pow2(dim, 16)
+    if device.type == "cpu":
+        return SelectedTiles(block_h, block_d, 32, 32, 4, 4, 4, 4)
+    if dtype == torch.float32:
+        return SelectedTiles(block_h, block_d, 16, 16, 2, 8, 8, 8)
+    return SelectedTiles(block_h, block_d, 64, 32, 2, 4, 4, 4)
+
+
 def selected_launches(
-    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor | None = None,
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor | None = None, *,
+    deterministic: bool = False,
 ) -> tuple[list[KernelLaunch], tuple[Tensor, ...]]:
     """Launches of the indexer KL path's kernels over the selected entries, and the outputs they fill.
 
     ``d_scores`` None: ``indexer_selected_scores_kernel``, output ``(scores [T, K] fp32,)``
     (``-inf`` at padding). Else ``[T, K]`` fp32 upstream gradients of those scores:
     ``indexer_selected_grads_kernel``, outputs ``(dq [T, H_I, D_I], dk [N_c, D_I], dw [T, H_I])``
-    fp32 (dk zeroed: one memset, then fp32 atomics). q: [T, H_I, D_I], k: [N_c, D_I] (dtype
-    of q), weights: [T, H_I], selected: [T, K] int (outside ``[0, N_c)``: padding). Works on
-    ``meta`` tensors. Raises ``TypeError`` when k's dtype is not q's.
+    fp32. dk: one memset and fp32 atomics in the query-major launch (the summation order
+    varies run to run), or with ``deterministic`` a second, key-major launch
+    (``indexer_dk_kernel``) over the inverted selection (:func:`~cpkv.backends.triton.ops.inverted_pairs`:
+    a stable sort, no host sync) that sums each key's terms in ``(t, k)`` order: bitwise
+    reproducible. q: [T, H_I, D_I], k: [N_c, D_I] (dtype of q), weights: [T, H_I],
+    selected: [T, K] int (outside ``[0, N_c)``: padding). Works on ``meta`` tensors. Raises
+    ``TypeError`` when k's dtype is not q's or not fp16/bf16/fp32.
     """
     if k.dtype != q.dtype or q.dtype not in SCORE_DTYPES[:3]:
         raise TypeError(f"q and k must share one of {SCORE_DTYPES[:3]}, got {q.dtype} and {k.dtype}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k, weights, selected = k.contiguous(), weights.contiguous(), selected.contiguous()
-    (num_q, heads, dim), width = q.shape, selected.shape[1]
-    cpu = q.device.type == "cpu"
-    block_h, block_d = _pow2(heads, 16), _pow2(dim, 16)
-    block_k = 32 if cpu or q.dtype == torch.float32 else 64
+    (num_q, heads, dim), (rows, width) = q.shape, (k.shape[0], selected.shape[1])
+    b = selected_tiles(q.device, heads, dim, q.dtype)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    constexprs = {"BLOCK_H": block_h, "BLOCK_K": block_k, "BLOCK_D": block_d, "PREC": prec}
-    shape_args = (k.shape[0], heads, dim, width, q.stride(0), q.stride(1), k.stride(0), weights.stride(0), selected.stride(0))
+    constexprs = {"BLOCK_H": b.block_h, "BLOCK_D": b.block_d, "PREC": prec}
+    strides = (q.stride(0), q.stride(1), k.stride(0), weights.stride(0))
+    shape_args = (rows, heads, dim, width, *strides, selected.stride(0))
     from cpkv.backends.triton import indexer_kernels  # lazy: triton is imported only when a kernel runs
 
     if d_scores is None:
@@ -255,26 +308,36 @@ def selected_launches(
         if num_q == 0 or width == 0:
             return [], (scores,)
         launch = KernelLaunch("indexer_selected_scores", indexer_kernels.indexer_selected_scores_kernel,
-                              (num_q, -(-width // block_k)), (q, k, weights, selected, scores, *shape_args),
-                              constexprs, 4 if cpu else 8)
+                              (num_q, -(-width // b.scores_k)), (q, k, weights, selected, scores, *shape_args),
+                              {**constexprs, "BLOCK_K": b.scores_k}, b.scores_warps)
         return [launch], (scores,)
     dq = torch.empty((num_q, heads, dim), dtype=torch.float32, device=q.device)
-    dk = torch.zeros((k.shape[0], dim), dtype=torch.float32, device=q.device)
+    dk = torch.zeros((rows, dim), dtype=torch.float32, device=q.device)
     dw = torch.empty((num_q, heads), dtype=torch.float32, device=q.device)
     if num_q == 0 or width == 0:
         return [], (dq.zero_(), dk, dw.zero_())
     ds = d_scores.float().contiguous()
-    launch = KernelLaunch("indexer_selected_grads", indexer_kernels.indexer_selected_grads_kernel, (num_q,),
-                          (q, k, weights, selected, ds, dq, dk, dw, *shape_args), constexprs, 4 if cpu else 8)
-    return [launch], (dq, dk, dw)
+    launches = [KernelLaunch("indexer_selected_grads" + ("" if deterministic else "_atomic"),
+                             indexer_kernels.indexer_selected_grads_kernel, (num_q,),
+                             (q, k, weights, selected, ds, dq, dk, dw, *shape_args),
+                             {**constexprs, "BLOCK_K": b.grads_k, "ATOMIC_DK": not deterministic}, b.grads_warps)]
+    if deterministic and rows > 0:
+        from cpkv.backends.triton.ops import inverted_pairs
+
+        pairs, row_ptr = inverted_pairs(selected, rows)
+        launches.append(KernelLaunch(
+            "indexer_dk_keymajor", indexer_kernels.indexer_dk_kernel, (rows,),
+            (q, k, weights, ds, pairs, row_ptr, dk, heads, dim, width, *strides),
+            {"BLOCK_R": b.block_r, "BLOCK_H": b.block_h, "BLOCK_D": b.block_d}, b.dk_warps,
+        ))
+    return launches, (dq, dk, dw)
 
 
 @torch.library.custom_op("cpkv_triton::indexer_selected_scores", mutates_args=())
 def selected_scores_op(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor) -> Tensor:
     """``I[t, k] = sum_h weights[t, h] relu(q[t, h] . k[selected[t, k]])`` ``[T, K]`` fp32, -inf at padding (Triton)."""
     launches, (scores,) = selected_launches(q, k, weights, selected)
-    for launch in launches:
-        launch()
+    run_launches(launches)
     return scores
 
 
@@ -284,55 +347,127 @@ def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("cpkv_triton::indexer_selected_grads", mutates_args=())
-def selected_grads_op(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``sum(d_scores * I)`` w.r.t. q, k, weights (their dtypes), ``I`` as :func:`selected_scores_op`."""
-    launches, (dq, dk, dw) = selected_launches(q, k, weights, selected, d_scores)
-    for launch in launches:
-        launch()
+def selected_grads_op(
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor, deterministic: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``sum(d_scores * I)`` w.r.t. q, k, weights (their dtypes), ``I`` as :func:`selected_scores_op`.
+
+    ``deterministic``: dk summed key-major in a fixed order (bitwise reproducible), else fp32 atomics.
+    """
+    launches, (dq, dk, dw) = selected_launches(q, k, weights, selected, d_scores, deterministic=deterministic)
+    run_launches(launches)
     return dq.to(q.dtype), dk.to(k.dtype), dw.to(weights.dtype)
 
 
 @selected_grads_op.register_fake
-def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, d_scores: Tensor,
+      deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights)
 
 
-def indexer_kl_forward(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor) -> Tensor:
-    """``sum_t KL(target_t || softmax(I_t))`` (0-d fp32) over the selection, scores from :func:`selected_scores_op`.
+def _valid(selected: Tensor, rows: int) -> Tensor:
+    return (selected >= 0) & (selected < rows)  # any other index is padding, as in the kernels
 
-    The value of ``cpkv.indexer_loss.indexer_kl_op``'s loss; ``[T, K]`` intermediates only.
-    Entries of ``selected`` outside ``[0, N_c)`` are padding (``target`` must be 0 there).
+
+def indexer_kl_forward(
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, run: LaunchRunner | None = None,
+) -> Tensor:
+    """The body of ``cpkv_triton::indexer_kl``: ``sum_t KL(target_t || softmax(I_t))`` (0-d fp32).
+
+    One launch for the selected scores (handed to ``run``), then torch ops on ``[T, K]``.
+    ``run`` (default :func:`run_launches`) lets the bench collect the launches instead, to
+    count launches and torch kernels on ``meta`` tensors. Arguments as :func:`indexer_kl_op`.
     """
-    scores = selected_scores_op(q, k, weights, selected)
-    kl, _ = kl_terms(scores, target.float(), (selected >= 0) & (selected < k.shape[0]))
+    run = run or run_launches
+    launches, (scores,) = selected_launches(q, k, weights, selected)
+    run(launches)
+    kl, _ = kl_terms(scores, target.float(), _valid(selected, k.shape[0]))
     return kl.sum()
 
 
 def indexer_kl_backward(
-    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float, deterministic: bool,
+    run: LaunchRunner | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``grad_factor * sum_t KL_t`` w.r.t. q, k, weights: ``cpkv.indexer_loss.indexer_kl_backward_op``'s.
+    """The body of ``cpkv_triton::indexer_kl_backward``: the gradients w.r.t. q, k, weights (their dtypes).
 
-    ``dI = (softmax(I_t) - target) * grad_factor`` on valid entries (``[T, K]``), then one
-    Triton launch for dq, dw and the fp32 atomic dk (the summation order of dk varies run to run).
+    The scores are recomputed (one launch), ``dI = (softmax(I_t) - target) * grad_factor`` on
+    valid entries (``[T, K]`` torch ops), then one launch for dq, dw and dk (two with
+    ``deterministic``, after the inverted selection's sort). ``run`` as :func:`indexer_kl_forward`.
     """
-    scores = selected_scores_op(q, k, weights, selected)
-    valid = (selected >= 0) & (selected < k.shape[0])  # any other index is padding, as in the kernels
+    run = run or run_launches
+    launches, (scores,) = selected_launches(q, k, weights, selected)
+    run(launches)
+    valid = _valid(selected, k.shape[0])
     tgt = target.float()
     _, pred = kl_terms(scores, tgt, valid)
     d_scores = torch.where(valid, (pred - tgt) * grad_factor, 0.0)
-    grads: tuple[Tensor, Tensor, Tensor] = selected_grads_op(q, k, weights, selected, d_scores)
-    return grads
+    launches, (dq, dk, dw) = selected_launches(q, k, weights, selected, d_scores, deterministic=deterministic)
+    run(launches)
+    return dq.to(q.dtype), dk.to(k.dtype), dw.to(weights.dtype)
+
+
+@torch.library.custom_op("cpkv_triton::indexer_kl", mutates_args=())
+def indexer_kl_op(
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float, deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """``cpkv::indexer_kl`` (:func:`cpkv.indexer_loss.indexer_kl_op`) on the Triton kernels: ``[T, K]`` intermediates only.
+
+    Args:
+        q: [T, H_I, D_I] fp16/bf16/fp32. k: [N_c, D_I] (dtype of q). weights: [T, H_I] float.
+        selected: [T, K] int rows of k (outside ``[0, N_c)``: padding). target: [T, K] float
+            ``p_t`` (0 at padding, rows sum to 1 or 0). grad_factor: ``grad_scale / N``.
+        deterministic: the backward sums dk in a fixed order (bitwise reproducible).
+
+    Returns:
+        ``(loss, anchor)``: ``sum_t KL(target_t || softmax(I_t))`` (0-d fp32) and a 0-d fp32
+        zero; the backward ignores the upstream gradients and returns those of
+        ``grad_factor * sum_t KL_t`` (:func:`indexer_kl_backward_op`).
+    """
+    return indexer_kl_forward(q, k, weights, selected, target), q.new_zeros((), dtype=torch.float32)
+
+
+@indexer_kl_op.register_fake
+def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+      deterministic: bool) -> tuple[Tensor, Tensor]:
+    return q.new_empty((), dtype=torch.float32), q.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("cpkv_triton::indexer_kl_backward", mutates_args=())
+def indexer_kl_backward_op(
+    q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``grad_factor * sum_t KL_t`` w.r.t. q, k, weights (their dtypes): :func:`indexer_kl_backward`."""
+    return indexer_kl_backward(q, k, weights, selected, target, grad_factor, deterministic)
+
+
+@indexer_kl_backward_op.register_fake
+def _(q: Tensor, k: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+      deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weights)
+
+
+def _kl_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    *tensors, ctx.grad_factor, ctx.deterministic = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _kl_backward(ctx: Any, _grad_loss: Tensor, _grad_anchor: Tensor) -> tuple[Tensor | None, ...]:
+    d_q, d_k, d_w = indexer_kl_backward_op(*ctx.saved_tensors, ctx.grad_factor, ctx.deterministic)
+    return d_q, d_k, d_w, None, None, None, None
+
+
+indexer_kl_op.register_autograd(_kl_backward, setup_context=_kl_setup)
 
 
 def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     """The indexer launches of ``case`` on ``meta`` tensors, for the sm_90a compile report.
 
     bf16 (and fp16) cases: the top-k's fp8 launch (fp8 queries and keys with per-key scales,
-    as DeepSeek scores) and its bf16 one; an fp32 case: the fp32 launch. The KL path's kernels
-    (:func:`selected_launches`) are not listed: no op issues them yet (cpkv.indexer_loss runs
-    torch ops), so they are not part of what CI gates. ``T = case.tokens``
-    queries over ``case.index_rows`` keys, ``H_I = case.index_heads``, ``D_I = case.index_dim``,
+    as DeepSeek scores) and its bf16 one; an fp32 case: the fp32 launch. Then the KL path's
+    launches in the case's dtype (:func:`selected_launches`: the selected scores, the
+    gradients with atomic dk, and the deterministic pair). ``T = case.tokens`` queries over
+    ``case.index_rows`` keys, ``H_I = case.index_heads``, ``D_I = case.index_dim``,
     ``topk = case.index_topk``.
     """
     meta = torch.device("meta")
@@ -349,4 +484,11 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
         launches, _, _ = indexer_topk_launches(q, k, weights, scale, start, count, case.index_topk)
         out += [KernelLaunch(f"indexer_topk {str(dtype).removeprefix('torch.')}", x.kernel, x.grid, x.args,
                              x.constexprs, x.num_warps, x.num_stages) for x in launches]
+    q = torch.empty((num_q, heads, dim), dtype=case.dtype, device=meta)
+    k = torch.empty((rows, dim), dtype=case.dtype, device=meta)
+    selected = torch.empty((num_q, case.index_topk), dtype=torch.int64, device=meta)
+    d_scores = torch.empty((num_q, case.index_topk), dtype=torch.float32, device=meta)
+    out += selected_launches(q, k, weights, selected)[0]
+    out += selected_launches(q, k, weights, selected, d_scores)[0]
+    out += selected_launches(q, k, weights, selected, d_scores, deterministic=True)[0]
     return out

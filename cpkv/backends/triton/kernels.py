@@ -1,6 +1,6 @@
 # mypy: ignore-errors
 # (Triton ships no type information, and @triton.jit kernels cannot carry Python annotations.)
-"""The Triton kernels: sparse shared-KV attention (forward, backward), head-summed probabilities, indexer scores.
+"""The Triton kernels: sparse shared-KV attention (forward, backward), head-summed probabilities.
 
 Launch wrappers and conventions live in :mod:`cpkv.backends.triton.ops`; this module only
 defines ``@triton.jit`` kernels, so it is imported lazily (by the ops, at their first

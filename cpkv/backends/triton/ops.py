@@ -45,7 +45,7 @@ from torch import Tensor
 from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = [
-    "aot_launches", "inverted_index", "selected_probs_op", "sparse_attention_backward_op",
+    "aot_launches", "inverted_index", "inverted_pairs", "selected_probs_op", "sparse_attention_backward_op",
     "sparse_attention_op",
 ]
 
@@ -231,17 +231,20 @@ def inverted_index(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     ``pair_t[:row_ptr[N]]`` lists the valid entries (duplicates included); padding sorts after.
     A stable sort keeps each row's pairs in (t, k) order, so the key-major pass is deterministic.
     """
-    pairs, row_ptr = _inverted_pairs(indices, num_rows)
+    pairs, row_ptr = inverted_pairs(indices, num_rows)
     return (pairs // max(indices.shape[1], 1)).to(torch.int32), row_ptr
 
 
-def _inverted_pairs(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-    """:func:`inverted_index` with flat entry positions ``t * K + k`` instead of query rows (the reduce reads them)."""
+def inverted_pairs(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """:func:`inverted_index` with flat entry positions ``t * K + k`` (int32) instead of query rows.
+
+    What the key-major passes read (the sparse dkv reduce, the indexer's deterministic dk).
+    """
     flat = indices.reshape(-1).long()
     key = torch.where((flat < 0) | (flat >= num_rows), num_rows, flat)
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_rows + 1)[:num_rows]
-    row_ptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(num_rows + 1, device=indices.device)
+    row_ptr = torch.searchsorted(sorted_key, bounds).to(torch.int32)  # no bincount: it reads its max on the host
     return order.to(torch.int32), row_ptr
 
 
@@ -310,7 +313,7 @@ def _launch_bwd(
         _bwd_launch(d_out[t0:t1], q[t0:t1], kv, idx[t0:t1], lse[t0:t1], delta[t0:t1], dq[t0:t1],
                     partials, scale, d_v, False)()
         if kv.shape[0] > 0:
-            pairs, row_ptr = _inverted_pairs(idx[t0:t1], kv.shape[0])
+            pairs, row_ptr = inverted_pairs(idx[t0:t1], kv.shape[0])
             _reduce_launch(partials, pairs, row_ptr, dkv)()
     return dq, dkv
 
