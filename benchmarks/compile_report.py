@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows: list[Compiled] = []
     errors = 0
-    header = (f"{'kernel':<22}{'case':<16}{'warps':>6}{'regs':>6}{'spill B':>9}{'smem KiB':>10}{'blk/SM':>8}"
+    header = (f"{'kernel':<30}{'case':<16}{'warps':>6}{'regs':>6}{'spill B':>9}{'smem KiB':>10}{'blk/SM':>8}"
               f"{'PTX wgmma/mma/fma':>20}  dots (source line: instruction)")
     print(header)
     print("-" * len(header))
@@ -253,10 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                 row = compile_launch(launch, case.name)
             except Exception as err:  # noqa: BLE001 - a compile error is a report line and a failing exit
                 errors += 1
-                print(f"{launch.name:<22}{case.name:<16} COMPILE ERROR: {type(err).__name__}: {str(err)[:300]}")
+                print(f"{launch.name:<30}{case.name:<16} COMPILE ERROR: {type(err).__name__}: {str(err)[:300]}")
                 continue
             rows.append(row)
-            print(f"{row.name:<22}{row.case:<16}{row.threads // 32:>6}{row.regs:>6}{row.spill_bytes:>9}"
+            print(f"{row.name:<30}{row.case:<16}{row.threads // 32:>6}{row.regs:>6}{row.spill_bytes:>9}"
                   f"{row.smem / 1024:>10.1f}{row.blocks_per_sm:>8}{'/'.join(map(str, row.ptx_counts)):>20}  "
                   f"{_dot_summary(row.dots)}", flush=True)
     spilled = [r for r in rows if r.spill_bytes > 0]

@@ -1,4 +1,4 @@
-"""GPU check of the lightning indexer top-k (``cpkv_triton::indexer_topk``) on DeepSeek-V4 shapes.
+"""GPU check of the lightning indexer (``cpkv_triton::indexer_topk`` and the KL loss ``cpkv_triton::indexer_kl``) on DeepSeek-V4 shapes.
 
     python benchmarks/indexer_check.py                 # H200: about 1-2 minutes
     python benchmarks/indexer_check.py --no-long       # without the 1M-token cp 8 shape
@@ -16,7 +16,15 @@ One markdown table, columns ``| shape | dtype | check / phase | value | bound or
   (``1 - t(scores only) / t(scores + top-k)``, target <= 15%);
 * per layer call through ``CUDABackend.indexer_topk``: device kernels (torch profiler), host
   syncs (``torch.cuda.set_sync_debug_mode("error")`` raises on any), and the call captured in
-  a CUDA graph and replayed (bitwise the eager indices; replay ms).
+  a CUDA graph and replayed (bitwise the eager indices; replay ms);
+* the KL loss over the selected entries (``cpkv_triton::indexer_kl``, bf16, the top-k's own
+  selection, a random target), at the two smaller shapes: loss and gradients against the
+  torch op ``cpkv::indexer_kl`` on the same inputs in fp32 (bound ``1e-3`` relative for the
+  loss, ``1e-2`` of the largest gradient: the kernels round ``d_dots`` to bf16 for the MMAs,
+  ``2**-9`` a term), ms of the forward, the backward with atomic and with deterministic dk
+  (deterministic/atomic, target <= 1.25) and the torch op's forward + backward, host syncs of
+  forward + backward (0), and the deterministic forward + backward captured in a CUDA graph
+  (bitwise the eager gradients).
 
 Shapes (H_I = 64, D_I = 128, top-512, compress ratio 4, one document, the last rank of an
 all-gather plan): 8K tokens at cp 1 (T = 8,192, N_c = 2,048), 256K at cp 8 (T = 32,768,
@@ -39,7 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk  # noqa: E402
-from cpkv.backends.triton.indexer_ops import fp8_rows, indexer_topk_launches  # noqa: E402
+from cpkv.backends.triton.indexer_ops import (  # noqa: E402
+    fp8_rows,
+    indexer_kl_backward,
+    indexer_kl_forward,
+    indexer_topk_launches,
+)
 from cpkv.plan.attention import plan_attention  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -185,14 +198,7 @@ def layer_call(shape: Shape, x: dict[str, Any], segments: Any, visible: Any, dev
         call()
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-        syncs, sync_note = 0, ""
-    except RuntimeError as exc:
-        syncs, sync_note = 1, f" ({str(exc).splitlines()[0][:60]})"
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    syncs, sync_note = _no_sync(call)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -212,6 +218,80 @@ def layer_call(shape: Shape, x: dict[str, Any], segments: Any, visible: Any, dev
         f"| {shape.name} | bf16 | host syncs per layer call{sync_note} | {syncs} | 0 | {'ok' if syncs == 0 else 'FAIL'} |",
         f"| {shape.name} | bf16 | CUDA graph capture: replay equals eager (replay ms) | {same} ({replay:.2f}) | True "
         f"| {'ok' if same else 'FAIL'} |",
+    ], ok
+
+
+def _no_sync(fn: Callable[[], Any]) -> tuple[int, str]:
+    """Run ``fn`` with CUDA host syncs made errors: ``(0, "")``, or ``(1, the error's first line)``."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return 0, ""
+    except RuntimeError as exc:
+        return 1, f" ({str(exc).splitlines()[0][:60]})"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def kl_loss(shape: Shape, x: dict[str, Any], start: torch.Tensor, count: torch.Tensor, reps: int,
+            device: torch.device) -> tuple[list[str], bool]:
+    """The KL loss's op bodies on the top-k's selection: exactness, times, host syncs, CUDA graph capture."""
+    from cpkv.indexer_loss import indexer_kl_backward_op as ref_backward
+    from cpkv.indexer_loss import indexer_kl_op as ref_kl
+
+    selected, _ = _call(x, start, count, shape.topk)
+    gen = torch.Generator(device=device).manual_seed(1)
+    target = torch.rand(selected.shape, device=device, generator=gen) * (selected >= 0)
+    target = target / target.sum(1, keepdim=True).clamp_min(1e-30)
+    q, k, w = x["q"], x["k"], x["w"]
+    factor = 1.0 / selected.shape[0]
+    loss = indexer_kl_forward(q, k, w, selected, target)
+    grads = indexer_kl_backward(q, k, w, selected, target, factor, False)
+    det = indexer_kl_backward(q, k, w, selected, target, factor, True)
+    q32, k32, w32 = x["ref"]
+    want_loss = ref_kl(q32, k32, w32, selected, target, factor)[0]
+    want = ref_backward(q32, k32, w32, selected, target, factor)
+    loss_err = abs(float(loss) - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
+    grad_err = max(max(float((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(got, want))
+                   for got in (grads, det))
+    rows = [
+        f"| {shape.name} | bf16 | KL loss vs the torch op (relative) | {loss_err:.2e} | 1e-3 | {'ok' if loss_err <= 1e-3 else 'FAIL'} |",
+        f"| {shape.name} | bf16 | KL gradients vs the torch op (of the largest; atomic and deterministic) | {grad_err:.2e} "
+        f"| 1e-2 | {'ok' if grad_err <= 1e-2 else 'FAIL'} |",
+    ]
+    ok = loss_err <= 1e-3 and grad_err <= 1e-2
+    if device.type != "cuda":
+        return rows, ok
+    fwd = _ms(lambda: indexer_kl_forward(q, k, w, selected, target), reps, device)
+    bwd = _ms(lambda: indexer_kl_backward(q, k, w, selected, target, factor, False), reps, device)
+    bwd_det = _ms(lambda: indexer_kl_backward(q, k, w, selected, target, factor, True), reps, device)
+    torch_ms = _ms(lambda: (ref_kl(q, k, w, selected, target, factor), ref_backward(q, k, w, selected, target, factor)),
+                   reps, device)
+    syncs, note = _no_sync(lambda: (indexer_kl_forward(q, k, w, selected, target),
+                                    indexer_kl_backward(q, k, w, selected, target, factor, True)))
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return (indexer_kl_forward(q, k, w, selected, target), *indexer_kl_backward(q, k, w, selected, target, factor, True))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    same = all(torch.equal(c, e) for c, e in zip(captured, (loss, *det)))
+    ratio = bwd_det / bwd
+    ok &= syncs == 0 and same
+    return rows + [
+        f"| {shape.name} | bf16 | KL forward / backward atomic / deterministic ms | {fwd:.2f} / {bwd:.2f} / {bwd_det:.2f} | | |",
+        f"| {shape.name} | bf16 | KL deterministic / atomic backward | {ratio:.2f} | <= 1.25 | {'ok' if ratio <= 1.25 else 'above'} |",
+        f"| {shape.name} | bf16 | KL forward + backward vs the torch op ({torch_ms:.2f} ms) | {torch_ms / (fwd + bwd):.1f}x | | |",
+        f"| {shape.name} | bf16 | KL host syncs (forward + backward){note} | {syncs} | 0 | {'ok' if syncs == 0 else 'FAIL'} |",
+        f"| {shape.name} | bf16 | KL CUDA graph: replay equals eager (deterministic) | {same} | True | {'ok' if same else 'FAIL'} |",
     ], ok
 
 
@@ -261,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows += sweep(shape, dtype, x, start, count, args.reps, device)
             if dtype == "bf16" and i == 0:
                 got, passed = layer_call(shape, x, segments, visible, device)
+                rows += got
+                ok &= passed
+            if dtype == "bf16" and i < 2:
+                got, passed = kl_loss(shape, x, start, count, args.reps, device)
                 rows += got
                 ok &= passed
             del x
