@@ -199,16 +199,7 @@ def layer_call(shape: Shape, x: dict[str, Any], segments: Any, visible: Any, dev
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     syncs, sync_note = _no_sync(call)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, captured = _captured(call)
     same = torch.equal(captured, eager)
     replay = _ms(graph.replay, 3, device)
     ok = syncs == 0 and same
@@ -231,6 +222,21 @@ def _no_sync(fn: Callable[[], Any]) -> tuple[int, str]:
         return 1, f" ({str(exc).splitlines()[0][:60]})"
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _captured(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``fn`` warmed up on a side stream, captured in a CUDA graph and replayed once: ``(graph, captured outputs)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, captured
 
 
 def kl_loss(shape: Shape, x: dict[str, Any], start: torch.Tensor, count: torch.Tensor, reps: int,
@@ -273,16 +279,7 @@ def kl_loss(shape: Shape, x: dict[str, Any], start: torch.Tensor, count: torch.T
     def step() -> tuple[torch.Tensor, ...]:
         return (indexer_kl_forward(q, k, w, selected, target), *indexer_kl_backward(q, k, w, selected, target, factor, True))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    _graph, captured = _captured(step)
     same = all(torch.equal(c, e) for c, e in zip(captured, (loss, *det)))
     ratio = bwd_det / bwd
     ok &= syncs == 0 and same
