@@ -7,15 +7,18 @@ backward ``2*H*K*(3*D + 2*d_v)`` FLOPs per query row, and the minimum bytes (eac
 read once, each result written once).
 
 Executed FLOPs count the padded tiles each program multiplies, times the replication of a
-chained dot: Triton 3.6 lays a ``tl.dot`` whose result feeds another dot (S -> P -> PV, S and
-dP -> dS -> dq) out with all warps along M (``warpsPerTileV3`` returns ``[num_warps, 1]``), so
-with wgmma (16 rows a warp) a ``BLOCK_H``-row dot covers ``16 * num_warps`` rows: at 64 heads
-and 8 warps both warpgroups compute the same 64 rows (replication 2; the compile report
-shows it as ``warps [8, 1]``). The backward's dkv dots (built transposed, M = a channel
-chunk, split ``[4, 2]``), mma.sync and FMA dots are counted once.
+chained dot: Triton 3.6 lays a ``tl.dot`` whose result feeds another dot (S -> P -> PV) out
+with all warps along M (``warpsPerTileV3`` returns ``[num_warps, 1]``), so with wgmma (16 rows
+a warp) a ``BLOCK_H``-row dot covers ``16 * num_warps`` rows: at 64 heads and 8 warps both
+warpgroups compute the same 64 rows (replication 2; the compile report shows it as
+``warps [8, 1]``). The backward's passes chain no dot into another (``P``/``dS`` go through
+memory), and its first pass runs on one warpgroup; mma.sync and FMA dots count once.
+The backward's passes are listed one by one and summed (``sparse_bwd`` with atomic dkv,
+``sparse_bwd_deterministic`` with the stored terms and the reduce); the targets apply to the sums.
 Bytes count what the loads move (masked lanes move nothing): Q/dO once per program, kv rows
-once per head block, the backward's Q/dO column chunks again at each K step, dkv atomics,
-or the deterministic mode's stored terms and their reduce.
+once per head block and pass, the ``P``/``dS`` buffers written once and read twice, the dkv
+pass's Q/dO column chunks again at each K step, dkv atomics, or the deterministic mode's
+stored terms and their reduce.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = ["KernelWork", "kernel_work", "work_lines"]
 
-TARGETS = {"sparse_fwd": 1.1, "sparse_fwd_gluon": 1.1, "sparse_bwd_atomic": 1.25, "sparse_bwd_partials": 1.25}
+TARGETS = {"sparse_fwd": 1.1, "sparse_fwd_gluon": 1.1, "sparse_bwd": 1.25, "sparse_bwd_deterministic": 1.25}
+BWD_PASSES = ("sparse_bwd_ds", "sparse_bwd_dq")
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,11 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
         launches: e.g. ``aot_launches(case)``; read for grid, constexprs and warps.
 
     Returns:
-        One :class:`KernelWork` per known launch (``sparse_fwd_gluon``, ``sparse_fwd``, ``sparse_bwd_atomic``,
-        ``sparse_bwd_partials``, ``dkv_reduce``, ``selected_probs``), in the launches' order.
+        One :class:`KernelWork` per known launch (``sparse_fwd_gluon``, ``sparse_fwd``, ``sparse_bwd_ds``,
+        ``sparse_bwd_dq``, ``sparse_bwd_dkv_atomic``, ``sparse_bwd_dkv_partials``, ``dkv_reduce``,
+        ``selected_probs``; the backward's passes with no counted FLOPs of their own), in the launches'
+        order, then the backward's sums ``sparse_bwd`` (ds + dq + atomic dkv) and
+        ``sparse_bwd_deterministic`` (ds + dq + stored terms + reduce) with the counted backward.
 
     Raises:
         ValueError: ``case.dim < case.d_v`` or a non-positive size.
@@ -100,14 +107,24 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
             least = h * d * e + k * d * e + 4.0 * k + h * dv * e + 8.0 * h
             out.append(KernelWork(launch.name, flops, fwd_counted, moved, least, TARGETS[launch.name]))
             continue
-        if launch.name not in ("sparse_fwd", "sparse_bwd_atomic", "sparse_bwd_partials", "selected_probs"):
+        if launch.name not in ("sparse_fwd", "selected_probs", *BWD_PASSES, "sparse_bwd_dkv_atomic",
+                               "sparse_bwd_dkv_partials"):
             continue
-        bh, bk, bv = int(c["BLOCK_H"]), int(c["BLOCK_K"]), int(c["BLOCK_V"])
-        width = bv + (int(c["BLOCK_R"]) if c["HAS_REST"] else 0)  # channels of one gathered tile
+        bh, bk = int(c["BLOCK_H"]), int(c["BLOCK_K"])
         steps = _cdiv(k, bk)
         kp = steps * bk
-        rep = chained_replication(bh, launch.num_warps, tc)
         gather = blocks * (k * d * e + 4.0 * k)  # kv rows and their indices, once per head block
+        if launch.name.startswith("sparse_bwd_dkv"):
+            bc = int(c["BLOCK_C"])
+            dkv_cols = _cdiv(d, bc) * bc + _cdiv(dv, bc) * bc
+            flops = blocks * 2.0 * kp * bh * dkv_cols
+            chunks = steps * (h * d * e + h * dv * e)  # Q/dO column chunks again at each K step
+            moved = 2.0 * h * k * e + chunks + blocks * 4.0 * k + blocks * k * d * 4.0  # P, dS; atomics or terms
+            out.append(KernelWork(launch.name, flops, 0.0, moved, 0.0, None))
+            continue
+        bv = int(c["BLOCK_V"])
+        width = bv + (int(c["BLOCK_R"]) if c["HAS_REST"] else 0)  # channels of one gathered tile
+        rep = chained_replication(bh, launch.num_warps, tc)
         if launch.name == "sparse_fwd":
             flops = blocks * (2.0 * bh * kp * width * rep + 2.0 * bh * kp * bv)
             moved = h * d * e + gather + h * dv * e + 8.0 * h
@@ -118,23 +135,29 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
             moved = h * d * e + gather + blocks * 4.0 * k + 4.0 * h
             least = h * d * e + k * d * e + 8.0 * k + 4.0 * h
             out.append(KernelWork(launch.name, flops, 2.0 * h * k * d, moved, least, None))
-        else:
-            bc = int(c["BLOCK_C"])
-            dkv_cols = _cdiv(d, bc) * bc + _cdiv(dv, bc) * bc
-            flops = blocks * (2.0 * bh * kp * (width * rep + bv * rep + width) + 2.0 * kp * bh * dkv_cols)
-            resident = h * d * e + h * dv * e
-            chunks = steps * (h * d * e + h * dv * e)  # Q/dO column chunks again at each K step
-            dkv = blocks * k * d * 4.0  # atomics, or the stored terms
-            moved = resident + chunks + gather + 8.0 * h + h * d * 4.0 + dkv
-            least = resident + k * d * e + 4.0 * k + 8.0 * h + h * d * e + k * d * 4.0
-            out.append(KernelWork(launch.name, flops, bwd_counted, moved, least, TARGETS[launch.name]))
+        elif launch.name == "sparse_bwd_ds":  # S and dP; no dot feeds another, so no replication
+            flops = blocks * 2.0 * bh * kp * (width + bv)
+            moved = h * d * e + h * dv * e + gather + 8.0 * h + 2.0 * h * k * e
+            out.append(KernelWork(launch.name, flops, 0.0, moved, 0.0, None))
+        else:  # sparse_bwd_dq: dS K, dS read back
+            flops = blocks * 2.0 * bh * kp * width
+            moved = gather + h * k * e + h * d * 4.0
+            out.append(KernelWork(launch.name, flops, 0.0, moved, 0.0, None))
+    least = h * d * e + h * dv * e + k * d * e + 4.0 * k + 8.0 * h + h * d * e + k * d * 4.0
+    by_name = {w.name: w for w in out}
+    for total, last in (("sparse_bwd", ("sparse_bwd_dkv_atomic",)),
+                        ("sparse_bwd_deterministic", ("sparse_bwd_dkv_partials", "dkv_reduce"))):
+        parts = [by_name[n] for n in (*BWD_PASSES, *last) if n in by_name]
+        if len(parts) == len(BWD_PASSES) + len(last):
+            out.append(KernelWork(total, sum(p.flops for p in parts), bwd_counted, sum(p.bytes for p in parts), least,
+                                  TARGETS[total]))
     return out
 
 
 def blocks_of(launches: Sequence[KernelLaunch]) -> int:
     """Head blocks of the deterministic backward (the reduce reads one term per entry and head block)."""
     for launch in launches:
-        if launch.name == "sparse_bwd_partials":
+        if launch.name == "sparse_bwd_dkv_partials":
             return launch.grid[1]
     return 1
 

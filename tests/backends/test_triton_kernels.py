@@ -89,7 +89,7 @@ def test_sparse_attention_matches_reference(case: tuple[int, ...], with_sinks: b
 
 def test_deterministic_dkv_is_bitwise_reproducible_and_matches_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three chunks of query rows (5 rows each), two head blocks, many repeats of each kv row."""
-    monkeypatch.setattr(ops, "_partial_rows", lambda num_q, blocks, width, dim, device: 5)
+    monkeypatch.setattr(ops, "_chunk_rows", lambda num_q, row_bytes, device: 5)
     gen = torch.Generator().manual_seed(3)
     q, kv = torch.randn(12, 20, 64, generator=gen), torch.randn(5, 64, generator=gen)
     idx = torch.randint(-1, 5, (12, 12), generator=gen)  # every kv row listed ~24 times: long sums

@@ -118,8 +118,10 @@ def _compiled(case: str, *names: str) -> list[tuple[str, int, list[tuple[int, st
     return rows
 
 
-def test_bf16_backward_dots_are_all_wgmma_without_spills() -> None:
-    """The dkv terms are built transposed (M = a 64-channel chunk), so no dot falls back to mma.sync at BLOCK_K 32."""
-    for name, spills, dots in _compiled("V4-Flash bf16", "sparse_bwd_atomic", "sparse_bwd_partials"):
+def test_bf16_backward_dots_are_all_wgmma_without_spills_or_replication() -> None:
+    """The backward's passes: every dot on wgmma, no spill, and no dot computed twice by two warpgroups
+    (``P``/``dS`` go through memory, so no dot feeds another; the dkv terms are built transposed)."""
+    names = ("sparse_bwd_ds", "sparse_bwd_dq", "sparse_bwd_dkv_atomic", "sparse_bwd_dkv_partials")
+    for name, spills, dots in _compiled("V4-Flash bf16", *names):
         assert spills == 0, name
-        assert dots and all(kind == "wgmma" for _, kind, _ in dots), (name, dots)
+        assert dots and all(kind == "wgmma" and "replicated" not in detail for _, kind, detail in dots), (name, dots)

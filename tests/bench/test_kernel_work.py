@@ -26,7 +26,23 @@ def test_forward_work_by_hand() -> None:
     assert work["sparse_fwd"].flops == 2 * (2 * h * k * d) + 2 * h * k * d
     # bytes: q once, each kv row and index once (one head block), out and lse/sinks once
     assert work["sparse_fwd"].bytes == h * d * 2 + k * d * 2 + 4 * k + h * d * 2 + 8 * h
-    assert work["sparse_bwd_atomic"].counted_flops == 2 * h * k * (3 * d + 2 * d)
+    assert work["sparse_bwd"].counted_flops == 2 * h * k * (3 * d + 2 * d)
+
+
+def test_backward_passes_do_each_flop_once() -> None:
+    """S and dP (first pass), dq (second), dS^T Q + P^T dO (third): the counted backward exactly, atomic or not."""
+    case = _flash(torch.bfloat16)
+    work = {w.name: w for w in kernel_work(case, aot_launches(case))}
+    h, d, k = 64, 512, 640
+    assert work["sparse_bwd_ds"].flops == 2 * h * k * (d + d)
+    assert work["sparse_bwd_dq"].flops == 2 * h * k * d
+    assert work["sparse_bwd_dkv_atomic"].flops == work["sparse_bwd_dkv_partials"].flops == 2 * h * k * (d + d)
+    for total in ("sparse_bwd", "sparse_bwd_deterministic"):
+        assert work[total].ratio == 1.0 and work[total].target == 1.25
+    # first pass: Q and dO once, each kv row and index once, lse and delta, then P and dS stored (bf16)
+    assert work["sparse_bwd_ds"].bytes == 2 * h * d * 2 + k * d * 2 + 4 * k + 8 * h + 2 * h * k * 2
+    # second pass: the kv rows again, dS read back, dq written in fp32
+    assert work["sparse_bwd_dq"].bytes == k * d * 2 + 4 * k + h * k * 2 + h * d * 4
 
 
 def test_fp32_dots_are_not_replicated_and_pro_has_two_head_blocks() -> None:

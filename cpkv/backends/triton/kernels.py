@@ -87,72 +87,139 @@ def sparse_fwd_kernel(
 
 
 @triton.jit
-def sparse_bwd_kernel(
-    q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
+def sparse_bwd_ds_kernel(
+    q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, p_ptr, ds_ptr,
     N, H, K,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dot, stride_doh,
     scale,
-    D: tl.constexpr, DV: tl.constexpr, ATOMIC_DKV: tl.constexpr, HAS_REST: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, HAS_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr, PREC: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """dq[t, heads] (fp32, ``[T, H, D]`` contiguous) and the dkv terms of the row's K entries.
+    """The backward's first pass: ``P`` and ``dS`` of every (head, entry) of row ``t``, stored for the two others.
 
     Grid (T, cdiv(H, BLOCK_H)). ``delta = rowsum(do * out) - d_lse``, ``P = exp(scale * s - lse)``,
-    ``dS = P * (dP - delta) * scale``. Q and dO stay resident for S, dP and dq; each kv tile is
-    loaded once. The dkv terms ``G[k] = dS^T Q + P^T dO`` (``[BLOCK_K, D]``) are built
-    transposed, ``BLOCK_C`` channels at a time: ``G^T = Q_c^T dS + dO_c^T P`` (``[BLOCK_C,
-    BLOCK_K]``, M = ``BLOCK_C``, so the dots are wgmma at any ``BLOCK_K``; their Q/dO column
-    chunks re-read from L2, the FLOPs done once) and either added into ``dkv [N, D]`` with fp32 atomics (``ATOMIC_DKV``) or stored
-    to ``dkv_ptr`` as rows ``G[hb, t * K + k]`` of a ``[cdiv(H, BLOCK_H), T * K, D]`` fp32
-    buffer, ``hb`` the head block (no atomics: :func:`dkv_reduce_kernel` sums them per kv
-    row in a fixed order).
+    ``dS = P * (dP - delta) * scale``, ``dP = dO V^T``. Q and dO stay resident; each kv tile is
+    loaded once for S and dP. No dot feeds another here, so on one warpgroup (64 heads) no
+    row is computed twice. ``p`` and ``ds`` are ``[T, H, K]`` contiguous buffers in q's dtype
+    (what the next passes' MMAs take; fp32 stays fp32), 0 at padding.
     """
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = DV + tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, BLOCK_C)
     mask_h = offs_h < H
     mask_v = offs_v < DV
     mask_r = offs_r < D
-    C_REST: tl.constexpr = (DV + BLOCK_C - 1) // BLOCK_C * BLOCK_C  # first column chunk past the values
     q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    do_rows = do_ptr + t * stride_dot + offs_h[:, None] * stride_doh
     q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
-    do_v = tl.load(do_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0).to(q_v.dtype)
-    dq_v = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    do_v = tl.load(do_ptr + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :],
+                   mask=mask_h[:, None] & mask_v[None, :], other=0.0).to(q_v.dtype)
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
-        dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta = tl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)
+    out_rows = (t * H + offs_h).to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded or written
-        safe_rows = tl.where(valid, rows, 0).to(tl.int64)
-        kv_rows = kv_ptr + safe_rows[:, None] * stride_kvn
+        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded
+        kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
         kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
         s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
         if HAS_REST:
             kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
             s += tl.dot(q_r, tl.trans(kv_r), input_precision=PREC)
         dp = tl.dot(do_v, tl.trans(kv_v), input_precision=PREC)
-        live = mask_h[:, None] & valid[None, :]
-        p = tl.where(live, tl.exp(s * scale - lse[:, None]), 0.0)
+        p = tl.where(mask_h[:, None] & valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None]) * scale
-        ds_lo = ds.to(kv_v.dtype)
-        dq_v += tl.dot(ds_lo, kv_v, input_precision=PREC)
+        keep = mask_h[:, None] & (kk < K)[None, :]
+        tl.store(p_ptr + out_rows + kk[None, :], p.to(p_ptr.dtype.element_ty), mask=keep)
+        tl.store(ds_ptr + out_rows + kk[None, :], ds.to(ds_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def sparse_bwd_dq_kernel(
+    kv_ptr, idx_ptr, ds_ptr, dq_ptr,
+    N, H, K,
+    stride_kvn, stride_it,
+    D: tl.constexpr, DV: tl.constexpr, HAS_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The second pass: ``dq[t, heads] = dS K`` over the row's entries (fp32, ``[T, H, D]`` contiguous).
+
+    Grid (T, cdiv(H, BLOCK_H)). ``dS`` is read from the first pass's ``[T, H, K]`` buffer, each
+    kv tile is gathered once; one dot per channel tile, so the ``[BLOCK_H, D]`` accumulator
+    splits over the warps along the channels.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = DV + tl.arange(0, BLOCK_R)
+    mask_h = offs_h < H
+    mask_v = offs_v < DV
+    mask_r = offs_r < D
+    dq_v = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    if HAS_REST:
+        dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    ds_rows = ds_ptr + (t * H + offs_h).to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
+        valid = (rows >= 0) & (rows < N)
+        kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
+        kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
+        ds = tl.load(ds_rows + kk[None, :], mask=mask_h[:, None] & valid[None, :], other=0.0).to(kv_v.dtype)
+        dq_v += tl.dot(ds, kv_v, input_precision=PREC)
         if HAS_REST:
-            dq_r += tl.dot(ds_lo, kv_r, input_precision=PREC)
-        p_lo = p.to(kv_v.dtype)
-        # dkv terms transposed, G^T [BLOCK_C, BLOCK_K] = Q_c^T dS + dO_c^T P: M is a channel chunk
-        # (64 on the GPU), so the dots are wgmma whatever BLOCK_K is; stored/added transposed.
+            kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+            dq_r += tl.dot(ds, kv_r, input_precision=PREC)
+    dq_rows = dq_ptr + t * H * D + offs_h[:, None] * D
+    tl.store(dq_rows + offs_v[None, :], dq_v, mask=mask_h[:, None] & mask_v[None, :])
+    if HAS_REST:
+        tl.store(dq_rows + offs_r[None, :], dq_r, mask=mask_h[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def sparse_bwd_dkv_kernel(
+    q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr,
+    N, H, K,
+    stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
+    D: tl.constexpr, DV: tl.constexpr, ATOMIC_DKV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr,
+):
+    """The third pass: the dkv terms ``G[k] = dS^T Q + P^T dO`` of row ``t``'s entries (``[BLOCK_K, D]`` a step).
+
+    Grid (T, cdiv(H, BLOCK_H)). ``P`` and ``dS`` come from the first pass's buffers. The terms
+    are built transposed, ``BLOCK_C`` channels at a time: ``G^T = Q_c^T dS + dO_c^T P``
+    (``[BLOCK_C, BLOCK_K]``, M = ``BLOCK_C``, so the dots are wgmma at any ``BLOCK_K``; the Q
+    and dO column chunks are re-read from L2, the FLOPs done once) and either added into
+    ``dkv [N, D]`` with fp32 atomics (``ATOMIC_DKV``) or stored as rows ``G[hb, t * K + k]`` of
+    a ``[cdiv(H, BLOCK_H), T * K, D]`` fp32 buffer, ``hb`` the head block (no atomics:
+    :func:`dkv_reduce_kernel` sums them per kv row in a fixed order).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_h = offs_h < H
+    C_REST: tl.constexpr = (DV + BLOCK_C - 1) // BLOCK_C * BLOCK_C  # first column chunk past the values
+    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    do_rows = do_ptr + t * stride_dot + offs_h[:, None] * stride_doh
+    buf_rows = (t * H + offs_h).to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
+        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never written
+        live = mask_h[:, None] & valid[None, :]
+        ds = tl.load(ds_ptr + buf_rows + kk[None, :], mask=live, other=0.0)
+        p = tl.load(p_ptr + buf_rows + kk[None, :], mask=live, other=0.0)
         if ATOMIC_DKV:
-            g_cols = dkv_ptr + safe_rows[None, :] * D
+            g_cols = dkv_ptr + tl.where(valid, rows, 0).to(tl.int64)[None, :] * D
             g_mask = valid[None, :]
         else:
             g_cols = dkv_ptr + ((tl.program_id(1) * tl.num_programs(0) + t) * K + kk).to(tl.int64)[None, :] * D
@@ -162,10 +229,9 @@ def sparse_bwd_kernel(
             q_c = tl.load(q_rows + cc[None, :], mask=mask_h[:, None] & (cc < D)[None, :], other=0.0)
             do_c = tl.load(do_rows + cc[None, :], mask=mask_h[:, None] & (cc < DV)[None, :], other=0.0)
             # a - b, not a + b: Triton folds ``dot + x`` into the dot's accumulator, which would
-            # chain the first dot into the second and lay it out with all warps on M (x2 replicated
-            # wgmma, and 2.6 KB of spills at 64 heads); a subtraction is not folded.
-            g = tl.dot(tl.trans(q_c), ds_lo, input_precision=PREC) - tl.dot(
-                tl.trans(-do_c.to(q_c.dtype)), p_lo, input_precision=PREC)
+            # chain the first dot into the second and lay it out with all warps on M.
+            g = tl.dot(tl.trans(q_c), ds.to(q_c.dtype), input_precision=PREC) - tl.dot(
+                tl.trans(-do_c.to(q_c.dtype)), p.to(q_c.dtype), input_precision=PREC)
             if ATOMIC_DKV:
                 tl.atomic_add(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None], sem="relaxed")
             else:
@@ -173,15 +239,11 @@ def sparse_bwd_kernel(
         for c0 in range(C_REST, D, BLOCK_C):  # the columns after the value chunks: dS^T Q only
             cc = c0 + offs_c
             q_c = tl.load(q_rows + cc[None, :], mask=mask_h[:, None] & (cc < D)[None, :], other=0.0)
-            g = tl.dot(tl.trans(q_c), ds_lo, input_precision=PREC)
+            g = tl.dot(tl.trans(q_c), ds.to(q_c.dtype), input_precision=PREC)
             if ATOMIC_DKV:
                 tl.atomic_add(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None], sem="relaxed")
             else:
                 tl.store(g_cols + cc[:, None], g, mask=g_mask & (cc < D)[:, None])
-    dq_rows = dq_ptr + t * H * D + offs_h[:, None] * D
-    tl.store(dq_rows + offs_v[None, :], dq_v, mask=mask_h[:, None] & mask_v[None, :])
-    if HAS_REST:
-        tl.store(dq_rows + offs_r[None, :], dq_r, mask=mask_h[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -192,7 +254,7 @@ def dkv_reduce_kernel(
 ):
     """Deterministic dkv: ``dkv[n] += sum over head blocks hb and pairs listing n of G[hb, pair]``, in a fixed order.
 
-    ``G`` is the ``[HB, P, D]`` fp32 buffer written by :func:`sparse_bwd_kernel` with
+    ``G`` is the ``[HB, P, D]`` fp32 buffer written by :func:`sparse_bwd_dkv_kernel` with
     ``ATOMIC_DKV=False``; ``pair[row_ptr[n] : row_ptr[n + 1]]`` are its rows whose entry is kv
     row ``n``, in (t, k) order: an inverted index. No atomics; each program owns
     ``dkv[n, c-chunk]`` and adds its sum to what is there (an earlier chunk of query rows).

@@ -17,12 +17,15 @@ reference's validated entry points raise ``ValueError`` for such input instead.
 Inputs: fp16, bf16 or fp32 (fp32 accumulation; fp32 dot products run in IEEE precision, not
 TF32), on a CUDA device, or on CPU when the kernels were imported under ``TRITON_INTERPRET=1``.
 
-dkv: by default the backward accumulates it with fp32 atomics from query-major programs
-(the summation order varies run to run). With ``deterministic=True`` the same query-major
-kernel stores each entry's dkv terms (``[T * K, D]`` fp32, per chunk of query rows within a
-2 GiB budget) instead, and a key-major pass over an inverted index (``kv`` row -> the
-entries listing it, in (t, k) order) sums them in a fixed order: bitwise reproducible, the
-same tensor-core FLOPs, plus a write and a read of those terms.
+Backward: three query-major passes per chunk of query rows (their buffers within a 2 GiB
+budget): ``P`` and ``dS`` of every (head, entry) into ``[T, H, K]`` buffers (S and dP once, on
+one warpgroup), dq from ``dS``, and the dkv terms from both. No pass recomputes another's
+products, so the tensor-core FLOPs are the counted ones; the buffers cost a write and two
+reads of ``2 * H * K`` values a row. dkv: by default the terms are added with fp32 atomics
+(the summation order varies run to run). With ``deterministic=True`` the dkv pass stores each
+entry's terms (``[T * K, D]`` fp32) instead, and a key-major pass over an inverted index
+(``kv`` row -> the entries listing it, in (t, k) order) sums them in a fixed order: bitwise
+reproducible, the same tensor-core FLOPs, plus a write and a read of those terms.
 
 Launches: every kernel launch is a :class:`~cpkv.backends.triton.launches.KernelLaunch`
 built by a function of the op's tensors; :func:`aot_launches` calls the same functions on
@@ -74,12 +77,14 @@ def _pow2(n: int, low: int = 16) -> int:
 
 
 def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
-    """The tiles of ``kernel`` (``"fwd"``, ``"bwd"``, ``"probs"``) for q's shape, dtype and device.
+    """The tiles of ``kernel`` (``"fwd"``, ``"bwd_ds"``, ``"bwd_dq"``, ``"bwd_dkv"``, ``"probs"``) for q's shape, dtype and device.
 
-    GPU (Hopper): 64 heads per program (V4-Flash's 64 in one, V4-Pro's 128 in two), the
-    ``[64, 512]`` fp32 accumulator over 8 warps (two warpgroups, 128 registers a thread), kv
-    tiles of 64 entries (forward) or 32 (backward: dq's accumulator and the dkv chunk share
-    the registers). fp32 (IEEE, no tensor cores) takes smaller tiles. On CPU (the interpreter:
+    GPU (Hopper): 64 heads per program (V4-Flash's 64 in one, V4-Pro's 128 in two). The
+    forward and dq put their ``[64, 512]`` fp32 accumulator over 8 warps (two warpgroups, 128
+    registers a thread); the backward's ``P``/``dS`` pass runs on one warpgroup (4 warps), so
+    its S and dP dots are not computed twice, with 32-entry kv tiles (Q, dO and a tile share
+    the shared memory); the dkv pass builds 64-channel chunks of 128 entries a step, the
+    entries split over two warpgroups. fp32 (IEEE, no tensor cores) takes smaller tiles. On CPU (the interpreter:
     numpy per tile op) tiles are as large as the shapes, so there are few steps.
     """
     heads, dim = q.shape[1], q.shape[2]
@@ -88,11 +93,15 @@ def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
         return _Tiles(min(16, _pow2(heads)), 64, v, r, _pow2(dim), 4, 1)
     h = min(64, _pow2(heads))
     if q.dtype == torch.float32:
-        if kernel == "bwd":
+        if kernel.startswith("bwd"):
             return _Tiles(min(16, h), 16, v, r, 16, 4, 1)
         return _Tiles(min(16, h), 16, v, r, 32, 8, 1)
-    if kernel == "bwd":
-        return _Tiles(h, 32, v, r, 64, 8, 1)
+    if kernel == "bwd_ds":  # one warpgroup: S and dP are computed once (no dot feeds another)
+        return _Tiles(h, 32, v, r, 64, 4, 1)
+    if kernel == "bwd_dq":
+        return _Tiles(h, 64, v, r, 64, 8, 1)
+    if kernel == "bwd_dkv":  # 128 entries a step, split over the two warpgroups: half the Q/dO chunk re-reads of 64
+        return _Tiles(h, 128, v, r, 64, 8, 1)
     return _Tiles(h, 64, v, r, 64, 8, 2)
 
 
@@ -248,25 +257,41 @@ def inverted_pairs(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     return order.to(torch.int32), row_ptr
 
 
-def _bwd_launch(
-    d_out: Tensor, q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, target: Tensor,
-    scale: float, d_v: int, atomic: bool,
-) -> KernelLaunch:
-    """The query-major backward launch: dq, and dkv atomics (``atomic``) or the partials ``target``.
+def _bwd_launches(
+    d_out: Tensor, q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, p: Tensor,
+    ds: Tensor, target: Tensor, scale: float, d_v: int, atomic: bool,
+) -> list[KernelLaunch]:
+    """The backward's three query-major launches over the rows of ``q`` (one chunk).
 
-    ``target``: ``dkv [N, D]`` fp32 (atomic), else a contiguous ``[cdiv(H, BLOCK_H), T * K, D]`` fp32 buffer.
+    ``sparse_bwd_ds`` writes ``P`` and ``dS`` into ``p`` and ``ds`` (``[T, H, K]`` contiguous, q's
+    dtype), ``sparse_bwd_dq`` reads ``dS`` into ``dq`` (``[T, H, D]`` fp32), ``sparse_bwd_dkv`` reads
+    both and adds the dkv terms into ``target`` (``dkv [N, D]`` fp32, ``atomic``) or stores them
+    (a contiguous ``[cdiv(H, BLOCK_H), T * K, D]`` fp32 buffer).
     """
-    (num_q, heads, dim), width = q.shape, idx.shape[1]
-    b = _tiles("bwd", q, d_v)
-    return KernelLaunch(
-        "sparse_bwd_atomic" if atomic else "sparse_bwd_partials", _kernels().sparse_bwd_kernel,
-        (num_q, triton_cdiv(heads, b.h)),
-        (q, kv, idx, d_out, lse, delta, dq, target,
-         kv.shape[0], heads, width,
-         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), d_out.stride(0), d_out.stride(1),
-         scale),
-        {**_channel_constexprs(b, dim, d_v, q), "ATOMIC_DKV": atomic, "BLOCK_C": b.c}, b.warps, b.stages,
-    )
+    (num_q, heads, dim), (rows, width) = q.shape, (kv.shape[0], idx.shape[1])
+    a, b, c = _tiles("bwd_ds", q, d_v), _tiles("bwd_dq", q, d_v), _tiles("bwd_dkv", q, d_v)
+    kernels = _kernels()
+    return [
+        KernelLaunch(
+            "sparse_bwd_ds", kernels.sparse_bwd_ds_kernel, (num_q, triton_cdiv(heads, a.h)),
+            (q, kv, idx, d_out, lse, delta, p, ds, rows, heads, width,
+             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), d_out.stride(0), d_out.stride(1), scale),
+            _channel_constexprs(a, dim, d_v, q), a.warps, a.stages,
+        ),
+        KernelLaunch(
+            "sparse_bwd_dq", kernels.sparse_bwd_dq_kernel, (num_q, triton_cdiv(heads, b.h)),
+            (kv, idx, ds, dq, rows, heads, width, kv.stride(0), idx.stride(0)),
+            _channel_constexprs(b, dim, d_v, q), b.warps, b.stages,
+        ),
+        KernelLaunch(
+            "sparse_bwd_dkv_atomic" if atomic else "sparse_bwd_dkv_partials", kernels.sparse_bwd_dkv_kernel,
+            (num_q, triton_cdiv(heads, c.h)),
+            (q, idx, d_out, p, ds, target, rows, heads, width,
+             q.stride(0), q.stride(1), idx.stride(0), d_out.stride(0), d_out.stride(1)),
+            {"D": dim, "DV": d_v, "ATOMIC_DKV": atomic, "BLOCK_H": c.h, "BLOCK_K": c.k, "BLOCK_C": c.c,
+             "PREC": _prec(q)}, c.warps, c.stages,
+        ),
+    ]
 
 
 def _reduce_launch(partials: Tensor, pairs: Tensor, row_ptr: Tensor, dkv: Tensor) -> KernelLaunch:
@@ -280,10 +305,10 @@ def _reduce_launch(partials: Tensor, pairs: Tensor, row_ptr: Tensor, dkv: Tensor
     )
 
 
-def _partial_rows(num_q: int, blocks: int, width: int, dim: int, device: torch.device) -> int:
-    """Query rows per deterministic chunk: their ``[head blocks, rows * K, D]`` fp32 partials stay within 2 GiB (GPU)."""
+def _chunk_rows(num_q: int, row_bytes: int, device: torch.device) -> int:
+    """Query rows per backward chunk: their buffers (``row_bytes`` each) stay within 2 GiB (GPU; 64 MiB on CPU)."""
     budget = (2 << 30) if device.type != "cpu" else (64 << 20)
-    return max(1, min(num_q, budget // max(1, blocks * width * dim * 4)))
+    return max(1, min(num_q, budget // max(1, row_bytes)))
 
 
 def _launch_bwd(
@@ -292,9 +317,11 @@ def _launch_bwd(
 ) -> tuple[Tensor, Tensor]:
     """(dq [T, H, D] fp32, dkv [N, D] fp32); ``dkv``: a zeroed contiguous fp32 [N, D] to fill (default: a new one).
 
-    Atomic: one launch. Deterministic: per chunk of query rows, the query-major launch writes
-    each entry's dkv terms (no atomics), then the key-major reduce adds them into dkv in
-    (t, k) order; chunks follow each other in order, so the sums are bitwise reproducible.
+    Per chunk of query rows (host sizes from the shapes: no sync), the three passes of
+    :func:`_bwd_launches`: ``P`` and ``dS`` into ``[rows, H, K]`` buffers, dq, then the dkv terms,
+    added by fp32 atomics, or (deterministic) stored and summed by the key-major reduce in
+    (t, k) order; chunks follow each other in order, so the deterministic sums are bitwise
+    reproducible.
     """
     (num_q, heads, dim), width = q.shape, idx.shape[1]
     dq = torch.zeros((num_q, heads, dim), dtype=torch.float32, device=q.device)
@@ -302,19 +329,21 @@ def _launch_bwd(
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     if num_q == 0 or width == 0:
         return dq, dkv
-    if not deterministic:
-        _bwd_launch(d_out, q, kv, idx, lse, delta, dq, dkv, scale, d_v, True)()
-        return dq, dkv
-    blocks = triton_cdiv(heads, _tiles("bwd", q, d_v).h)
-    rows = _partial_rows(num_q, blocks, width, dim, q.device)
+    blocks = triton_cdiv(heads, _tiles("bwd_dkv", q, d_v).h)
+    row_bytes = 2 * heads * width * q.element_size() + (0 if not deterministic else blocks * width * dim * 4)
+    rows = _chunk_rows(num_q, row_bytes, q.device)
     for t0 in range(0, num_q, rows):
         t1 = min(num_q, t0 + rows)
-        partials = torch.empty((blocks, (t1 - t0) * width, dim), dtype=torch.float32, device=q.device)
-        _bwd_launch(d_out[t0:t1], q[t0:t1], kv, idx[t0:t1], lse[t0:t1], delta[t0:t1], dq[t0:t1],
-                    partials, scale, d_v, False)()
-        if kv.shape[0] > 0:
+        p = torch.empty((t1 - t0, heads, width), dtype=q.dtype, device=q.device)
+        ds = torch.empty_like(p)
+        target = dkv if not deterministic else torch.empty(
+            (blocks, (t1 - t0) * width, dim), dtype=torch.float32, device=q.device)
+        for launch in _bwd_launches(d_out[t0:t1], q[t0:t1], kv, idx[t0:t1], lse[t0:t1], delta[t0:t1], dq[t0:t1],
+                                    p, ds, target, scale, d_v, not deterministic):
+            launch()
+        if deterministic and kv.shape[0] > 0:
             pairs, row_ptr = inverted_pairs(idx[t0:t1], kv.shape[0])
-            _reduce_launch(partials, pairs, row_ptr, dkv)()
+            _reduce_launch(target, pairs, row_ptr, dkv)()
     return dq, dkv
 
 
@@ -414,8 +443,9 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     """The sparse ops' launches at ``case``'s shapes on ``meta`` tensors (GPU tiles), for the sm_90a compile report.
 
     Built by the same functions the ops call: the Gluon forward (where it fits: opt-in with
-    ``CPKV_TRITON_GLUON=1``), the forward, the atomic backward, the deterministic backward's
-    partials and key-major reduce (one chunk of query rows), and the KL target's head-summed
+    ``CPKV_TRITON_GLUON=1``), the forward, the backward's three passes (``P``/``dS``, dq, dkv
+    with atomics), the deterministic dkv pass and key-major reduce (one chunk of query rows),
+    and the KL target's head-summed
     probabilities. Nothing runs; no device is needed.
 
     Raises:
@@ -433,9 +463,10 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     lse = torch.empty((num_q, heads), dtype=f32, device=meta)
     dq, dkv = torch.empty((num_q, heads, dim), dtype=f32, device=meta), torch.empty((rows, dim), dtype=f32, device=meta)
     scale = dim**-0.5
-    blocks = triton_cdiv(heads, _tiles("bwd", q, d_v).h)
-    chunk = _partial_rows(num_q, blocks, width, dim, meta)
+    blocks = triton_cdiv(heads, _tiles("bwd_dkv", q, d_v).h)
+    chunk = _chunk_rows(num_q, 2 * heads * width * q.element_size() + blocks * width * dim * 4, meta)
     partials = torch.empty((blocks, chunk * width, dim), dtype=f32, device=meta)
+    p = torch.empty((num_q, heads, width), dtype=case.dtype, device=meta)
     pairs = torch.empty((chunk * width,), dtype=torch.int32, device=meta)
     row_ptr = torch.empty((rows + 1,), dtype=torch.int32, device=meta)
     parts = torch.empty((triton_cdiv(heads, _tiles("probs", q, 1).h), num_q, width), dtype=f32, device=meta)
@@ -444,9 +475,9 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     gluon = _fwd_gluon_launch(q, kv, idx, sinks, out, lse, scale) if _gluon_fits(q, d_v) else None
     triton_fwd = fwd if fwd.name == "sparse_fwd" else _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
     return [*([gluon] if gluon is not None else []), triton_fwd,
-        _bwd_launch(out, q, kv, idx, lse, lse, dq, dkv, scale, d_v, True),
-        _bwd_launch(out[:chunk], q[:chunk], kv, idx[:chunk], lse[:chunk], lse[:chunk], dq[:chunk], partials,
-                    scale, d_v, False),
+        *_bwd_launches(out, q, kv, idx, lse, lse, dq, p, p, dkv, scale, d_v, True),
+        _bwd_launches(out[:chunk], q[:chunk], kv, idx[:chunk], lse[:chunk], lse[:chunk], dq[:chunk], p[:chunk],
+                      p[:chunk], partials, scale, d_v, False)[-1],
         _reduce_launch(partials, pairs, row_ptr, dkv),
         _probs_launch(q, kv, idx, lse, parts, scale),
     ]
