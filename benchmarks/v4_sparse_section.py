@@ -9,10 +9,13 @@ Shapes: H = 64 (V4-Flash) and 128 (V4-Pro) query heads over one shared kv head o
   ``cpkv_triton::sparse_attention`` in bf16, atomic and deterministic dkv (and out, lse of
   the opt-in Gluon forward, ``CPKV_TRITON_GLUON=1``), against the fp64
   reference op, bounded by the bf16 reference op's own error (the 2x rule:
-  ``err <= 2 * err_reference_bf16 + 2**-8 * max|fp64|``); deterministic twice, bitwise.
+  ``err <= 2 * err_reference_bf16 + 2**-8 * max|fp64|``); deterministic twice, bitwise; the
+  KL target of the compressed entries from the forward (``cpkv_triton::sparse_attention_probs``)
+  against the fp64 reference ``selected_probs``, by the same rule.
 * Speed (every (H, K, T)): forward ms (plain Triton and Gluon), backward ms with atomic and with deterministic dkv,
   counted TFLOP/s (cuDNN's convention: forward ``2*T*H*K*(D + d_v)``, backward
-  ``2*T*H*K*(3*D + 2*d_v)``), deterministic / atomic; at T = 8K also the reference ops'
+  ``2*T*H*K*(3*D + 2*d_v)``), deterministic / atomic; the forward with the KL target against
+  the forward plus the separate ``selected_probs`` pass; at T = 8K also the reference ops'
   forward + backward and the speed-up.
 """
 
@@ -25,8 +28,9 @@ from typing import Any, Callable
 
 import torch
 
+from cpkv.backends.reference.sparse import selected_probs_op as ref_probs
 from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
-from cpkv.backends.triton.ops import sparse_attention_op
+from cpkv.backends.triton.ops import selected_probs_op, sparse_attention_op, sparse_attention_probs_op
 from device_common import median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
 
 D, DV, WINDOW = 512, 512, 128
@@ -112,6 +116,18 @@ def check(device: torch.device, num_q: int = 2048) -> tuple[list[str], bool]:
                 ok &= err <= bound
                 rows.append(f"| {heads} | {topk} | {num_q // 1024}K | {name} (gluon forward) err vs fp64 | {err:.3e} | "
                             f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
+            with torch.no_grad():
+                q, kv, s, idx = (x[k] for k in ("q", "kv", "sinks", "idx"))
+                _, _, probs = sparse_attention_probs_op(q.bfloat16(), kv.bfloat16(), idx, s, D**-0.5, DV, False, WINDOW)
+                probs_exact, probs_low = (
+                    ref_probs(q.to(dt), kv.to(dt), idx[:, WINDOW:], ref_sparse(q.to(dt), kv.to(dt), idx, s.to(dt), D**-0.5,
+                                                                                DV, 256)[1], D**-0.5, 256)
+                    for dt in (torch.float64, torch.bfloat16))
+            err, ref_err = float((probs.double() - probs_exact).abs().max()), float((probs_low.double() - probs_exact).abs().max())
+            bound = 2 * ref_err + 2**-8 * float(probs_exact.abs().max())
+            ok &= err <= bound
+            rows.append(f"| {heads} | {topk} | {num_q // 1024}K | KL target (from the forward) err vs fp64 | {err:.3e} | "
+                        f"{bound:.3e} (ref bf16 {ref_err:.3e}) | {'ok' if err <= bound else 'FAIL'} |")
             again = grads_of(_triton(True), x, torch.bfloat16)
             same = all(torch.equal(a, b) for a, b in zip(got[2:], again[2:]))
             ok &= same
@@ -139,8 +155,14 @@ def bench(num_q: int, heads: int, topk: int, device: torch.device, reps: int, wi
     t = {"fwd": median_ms(fwd(_triton(False)), reps)}
     with gluon_forward():
         t["gluon"] = median_ms(fwd(_triton(False)), reps)
+    with torch.no_grad():
+        t["probs"] = median_ms(lambda: sparse_attention_probs_op(q, kv, x["idx"], s, D**-0.5, DV, False, WINDOW), reps)
+        t["separate"] = median_ms(lambda: selected_probs_op(q, kv, x["idx"][:, WINDOW:], sparse_attention_op(
+            q, kv, x["idx"], s, D**-0.5, DV, False)[1], D**-0.5), reps)
     rows = [f"{tag}| forward ms | {t['fwd']:.2f} | | {flops_f / t['fwd'] / 1e9:.0f} |",
-            f"{tag}| forward (gluon) ms | {t['gluon']:.2f} | | {flops_f / t['gluon'] / 1e9:.0f} |"]
+            f"{tag}| forward (gluon) ms | {t['gluon']:.2f} | | {flops_f / t['gluon'] / 1e9:.0f} |",
+            f"{tag}| forward with the KL target ms (forward + selected_probs ms) | {t['probs']:.2f} | "
+            f"{t['separate']:.2f} | {flops_f / t['probs'] / 1e9:.0f} |"]
     for mode, det in (("atomic", False), ("deterministic", True)):
         t[mode] = median_ms(fwd_bwd(_triton(det)), reps) - t["fwd"]
         rows.append(f"{tag}| backward ({mode} dkv) ms | {t[mode]:.2f} | | {flops_b / t[mode] / 1e9:.0f} |")
@@ -160,5 +182,5 @@ def run(device: torch.device, reps: int, tokens: tuple[int, ...] = TOKENS) -> tu
         for topk in TOPKS:
             for num_q in tokens:
                 rows += bench(num_q, heads, topk, device, reps, with_reference=num_q <= 8192)
-                print("\n".join(rows[-6:]), flush=True)
+                print("\n".join(rows[-7:]), flush=True)
     return rows, ok

@@ -513,7 +513,7 @@ def attention_forward(
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     local_sinks = sinks if not source.rounds else None
     num_kv = sum(t.shape[0] for t in kv_parts)
-    selected = None
+    selected, probs = None, None
     if not entry_parts:  # NO_COMPRESS, or no entry on this rank: the effective ratio is 1
         kv_all = kv_buffer = _concat(kv_parts)
         local = ops.varlen_attention(
@@ -534,7 +534,11 @@ def attention_forward(
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
         indices = torch.cat([source.segments.window_indices(window), cmp_rows], dim=1)
-        local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
+        if selected is not None and spec.indexer_loss and not source.rounds:  # the KL target from this call's LSE
+            local, probs = ops.sparse_attention_probs(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks,
+                                                      probs_from=indices.shape[1] - cmp_rows.shape[1])
+        else:
+            local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
         ratio = spec.compress_ratio
     result = local
     if source.rounds:
@@ -548,8 +552,9 @@ def attention_forward(
         result = merge_partials(parts, sinks)
     loss = None
     if selected is not None and index is not None and spec.indexer_loss:
-        with torch.no_grad():
-            probs = ops.selected_probs(q.detach(), kv_all.detach(), cmp_rows, result.lse.detach(), scale=scale)
+        if probs is None:  # ring rounds: the target's denominator is the merged LSE
+            with torch.no_grad():
+                probs = ops.selected_probs(q.detach(), kv_all.detach(), cmp_rows, result.lse.detach(), scale=scale)
         if plan.valid_queries is not None:  # padding queries select nothing in the KL loss (no value, no gradient)
             selected = torch.where(plan.valid_queries.to(selected.device)[:, None], selected, -1)
         attached = attach_indexer_loss(

@@ -1,6 +1,6 @@
 """The narrow interface between the attention pipeline and the fused-op backends.
 
-A backend implements six primitives over packed (TND) tensors; the pipeline calls
+A backend implements seven primitives over packed (TND) tensors; the pipeline calls
 nothing else (docs/semantics.md, "Backends"). Index plans arrive as plan objects built
 once per micro-batch (:class:`~cpkv.plan.segments.SegmentPlan`,
 :class:`~cpkv.plan.segments.EntryVisibility`, :class:`~cpkv.plan.segments.KeyRanges`), so a backend reads
@@ -66,6 +66,13 @@ class AttentionBackend(Protocol):
         self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None,
     ) -> AttentionResult:
         """Shared-KV attention of q ``[T_q, H, D]`` over rows ``indices`` ``[T_q, K]`` (-1 padded) of kv ``[N, D]``."""
+        ...
+
+    def sparse_attention_probs(
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None, probs_from: int,
+    ) -> tuple[AttentionResult, Tensor]:
+        """:meth:`sparse_attention`, and ``[T_q, K - probs_from]`` fp32 :meth:`selected_probs` of the columns
+        ``>= probs_from`` under that call's LSE (no gradient): the KL target when no ring round follows."""
         ...
 
     def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:

@@ -431,6 +431,25 @@ class CUDABackend:
         out, lse = sparse_attention_op(q, kv, indices, sinks, float(scale), d_v, self.deterministic)
         return AttentionResult(out, lse)
 
+    def sparse_attention_probs(
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None, probs_from: int,
+    ) -> tuple[AttentionResult, Tensor]:
+        """Sparse attention and the KL target of the columns ``>= probs_from`` from one Triton launch.
+
+        ``cpkv_triton::sparse_attention_probs``: the forward keeps each step's ``exp(s - m)`` in
+        L2 scratch and rescales it by the final LSE, so the target costs no second QK^T
+        (the plain-Triton forward: the opt-in Gluon forward has no such output). Arguments as
+        :meth:`sparse_attention`; ``probs`` ``[T, K - probs_from]`` fp32, no gradient.
+        """
+        if not self._triton(q, "sparse attention"):
+            return self._reference.sparse_attention_probs(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks,
+                                                          probs_from=probs_from)
+        from cpkv.backends.triton.ops import sparse_attention_probs_op
+
+        out, lse, probs = sparse_attention_probs_op(q, kv, indices, sinks, float(scale), d_v, self.deterministic,
+                                                    probs_from)
+        return AttentionResult(out, lse), probs
+
     def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
         """``[T, K]`` fp32 head-summed probabilities of the listed rows from the sparse kernel's LSE (no gradient)."""
         if not self._triton(q, "selected probabilities"):

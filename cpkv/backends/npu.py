@@ -322,6 +322,14 @@ class NPUBackend:
         )[:3]
         return AttentionResult(out, (softmax_max[0] + torch.log(softmax_sum[0])).detach().float())
 
+    def sparse_attention_probs(
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None, probs_from: int,
+    ) -> tuple[AttentionResult, Tensor]:
+        """:meth:`sparse_attention` (``npu_sparse_flash_attention``), then :meth:`selected_probs` of the columns
+        ``>= probs_from`` under its LSE (the reference's, on the device tensors)."""
+        result = self.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks)
+        return result, self.selected_probs(q, kv, indices[:, probs_from:], result.lse, scale=scale)
+
     def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
         """The reference head-summed probabilities of the listed rows, on the device tensors.
 

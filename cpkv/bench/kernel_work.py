@@ -33,7 +33,7 @@ from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = ["KernelWork", "kernel_work", "work_lines"]
 
-TARGETS = {"sparse_fwd": 1.1, "sparse_fwd_gluon": 1.1, "sparse_bwd": 1.25, "sparse_bwd_deterministic": 1.25}
+TARGETS = {"sparse_fwd": 1.1, "sparse_fwd_probs": 1.1, "sparse_fwd_gluon": 1.1, "sparse_bwd": 1.25, "sparse_bwd_deterministic": 1.25}
 BWD_PASSES = ("sparse_bwd_ds", "sparse_bwd_dq")
 
 
@@ -77,7 +77,8 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
         launches: e.g. ``aot_launches(case)``; read for grid, constexprs and warps.
 
     Returns:
-        One :class:`KernelWork` per known launch (``sparse_fwd_gluon``, ``sparse_fwd``, ``sparse_bwd_ds``,
+        One :class:`KernelWork` per known launch (``sparse_fwd_gluon``, ``sparse_fwd``, ``sparse_fwd_probs``,
+        ``sparse_bwd_ds``,
         ``sparse_bwd_dq``, ``sparse_bwd_dkv_atomic``, ``sparse_bwd_dkv_partials``, ``dkv_reduce``,
         ``selected_probs``; the backward's passes with no counted FLOPs of their own), in the launches'
         order, then the backward's sums ``sparse_bwd`` (ds + dq + atomic dkv) and
@@ -96,6 +97,8 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
     for launch in launches:
         c: Mapping[str, Any] = launch.constexprs
         blocks = launch.grid[1] if len(launch.grid) > 1 else 1
+        if launch.name in ("sparse_fwd", "sparse_fwd_probs"):  # a 1-D grid of (row, head block) items
+            blocks = _cdiv(h, int(c["BLOCK_H"]))
         if launch.name == "dkv_reduce":
             terms = blocks_of(launches) * k * d * 4.0
             out.append(KernelWork(launch.name, 0.0, 0.0, terms + 4.0 * k, 0.0, None))
@@ -107,7 +110,7 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
             least = h * d * e + k * d * e + 4.0 * k + h * dv * e + 8.0 * h
             out.append(KernelWork(launch.name, flops, fwd_counted, moved, least, TARGETS[launch.name]))
             continue
-        if launch.name not in ("sparse_fwd", "selected_probs", *BWD_PASSES, "sparse_bwd_dkv_atomic",
+        if launch.name not in ("sparse_fwd", "sparse_fwd_probs", "selected_probs", *BWD_PASSES, "sparse_bwd_dkv_atomic",
                                "sparse_bwd_dkv_partials"):
             continue
         bh, bk = int(c["BLOCK_H"]), int(c["BLOCK_K"])
@@ -125,10 +128,14 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
         bv = int(c["BLOCK_V"])
         width = bv + (int(c["BLOCK_R"]) if c["HAS_REST"] else 0)  # channels of one gathered tile
         rep = chained_replication(bh, launch.num_warps, tc)
-        if launch.name == "sparse_fwd":
+        if launch.name in ("sparse_fwd", "sparse_fwd_probs"):
             flops = blocks * (2.0 * bh * kp * width * rep + 2.0 * bh * kp * bv)
             moved = h * d * e + gather + h * dv * e + 8.0 * h
             least = h * d * e + k * d * e + 4.0 * k + h * dv * e + 8.0 * h
+            if launch.name == "sparse_fwd_probs":  # each step's exp(s - m) to L2 scratch and back, the target out
+                kc = int(launch.args[6].shape[-1])  # the target's columns (the probs buffer)
+                moved += blocks * bh * (kp * e * 2 + steps * 4.0 * 2) + blocks * kc * 4.0
+                least += kc * 4.0
             out.append(KernelWork(launch.name, flops, fwd_counted, moved, least, TARGETS[launch.name]))
         elif launch.name == "selected_probs":
             flops = blocks * 2.0 * bh * kp * width

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from tests.backends.op_names import OpNames
 from tests.backends.triton_interpreter import interpreted_kernels
 
 from cpkv.backends import ReferenceBackend  # noqa: E402
@@ -97,6 +99,11 @@ def test_sparse_probs_and_indexer_through_the_backend() -> None:
         _compare(got, want)
     _close(_backend().selected_probs(q, kv, idx, got[1], scale=0.125),
            ReferenceBackend().selected_probs(q, kv, idx, got[1], scale=0.125), 1e-5)
+    fused, probs = _backend().sparse_attention_probs(q, kv, idx, d_v=32, scale=0.125, sinks=sinks, probs_from=2)
+    want_fused, want_probs = ReferenceBackend().sparse_attention_probs(q, kv, idx, d_v=32, scale=0.125, sinks=sinks,
+                                                                        probs_from=2)
+    _close(fused.out, want_fused.out, 1e-5)
+    _close(probs, want_probs, 1e-5)
     qi, ki, w = torch.randn(5, 2, 16, generator=gen), torch.randn(11, 16, generator=gen), torch.rand(5, 2, generator=gen)
     visible = SimpleNamespace(visible_start=torch.tensor([0, 0, 2, 4, 4]), visible_count=torch.tensor([0, 3, 5, 7, 2]))
     got_i = _backend().indexer_topk(qi, ki, w, SEGMENTS, visible, topk=4)  # type: ignore[arg-type]
@@ -113,3 +120,41 @@ def test_unforced_backend_warns_once_and_uses_the_reference_on_cpu() -> None:
         backend.sparse_attention(q, kv, idx, d_v=8, scale=0.3, sinks=None)
     with pytest.raises(TypeError, match="deterministic"):
         CUDABackend(deterministic=1)  # type: ignore[arg-type]
+
+
+def indexer_layer_calls(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """One INDEXER layer call per backend (CUDA forced, reference) on a 1-rank group: loss, out, indexer grads, op names."""
+    from cpkv.plan import plan_attention
+    from cpkv.v4 import V4Attention, V4Config
+
+    interpreted_kernels()
+
+    plan = plan_attention(torch.tensor([0, 13, 40]), world, rank, compress_ratios=[4], windows=[6])
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    results = []
+    for backend in (_backend(), ReferenceBackend()):
+        layer = V4Attention(V4Config(compress_ratio=4, window=6, topk=3, heads=2), seed=3)
+        with OpNames() as ops:
+            out = layer(x, plan, None, backend=backend)
+            out.out.sum().backward()
+        grads = {n: p.grad for n, p in layer.named_parameters() if n.startswith("indexer.") and p.grad is not None}
+        results.append((out.indexer_loss, out.out.detach(), grads, ops.names))
+    return results
+
+
+@pytest.mark.timeout(200)
+def test_indexer_layer_takes_its_kl_target_from_the_forward() -> None:
+    """An INDEXER layer call on the CUDA backend (no ring round): the KL target comes out of the sparse forward
+    (``cpkv_triton::sparse_attention_probs``), no separate ``selected_probs`` pass runs, and the loss, output and
+    indexer gradients equal the reference backend's (1e-4: fp32 summation order)."""
+    from cpkv.launch import spawn
+
+    (loss, out, grads, names), (want_loss, want_out, want_grads, want_names) = spawn(indexer_layer_calls, 1, timeout=180.0)[0]
+    assert "cpkv_triton.sparse_attention_probs" in names and "cpkv_triton.selected_probs" not in names
+    assert "cpkv.selected_probs" in want_names  # the reference backend's target: the reference op
+    assert loss is not None and want_loss is not None
+    _close(loss.reshape(1), want_loss.reshape(1), 1e-4)
+    _close(out, want_out, 1e-4)
+    assert grads.keys() == want_grads.keys() and grads
+    for name, grad in grads.items():
+        _close(grad, want_grads[name], 1e-4)

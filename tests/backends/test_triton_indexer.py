@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from tests.backends.op_names import OpNames
 from tests.backends.triton_interpreter import interpreted_kernels
 
 from cpkv.backends.reference.indexer import indexer_topk_op as ref_topk  # noqa: E402
@@ -310,20 +311,9 @@ def test_deterministic_dk_reads_only_its_key_rows() -> None:
 def test_cuda_backend_attaches_the_loss_through_the_triton_op() -> None:
     """``attach_indexer_loss(kl=CUDABackend.indexer_kl)`` dispatches ``cpkv_triton::indexer_kl`` (not the torch op)
     and gives the reference backend's loss and injected gradients (fp32, 1e-5 as above)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cpkv.backends.cuda import CUDABackend
     from cpkv.backends.reference import ReferenceBackend
     from cpkv.indexer_loss import attach_indexer_loss
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.names.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     q, k, w, sel, target = _kl_inputs(False)
     sel = torch.where((sel >= 0) & (sel < k.shape[0]), sel, -1)
@@ -331,7 +321,7 @@ def test_cuda_backend_attaches_the_loss_through_the_triton_op() -> None:
     for backend in (CUDABackend(triton_kernels=True), ReferenceBackend()):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, w)]
         out = torch.zeros(q.shape[0], 2, 4, requires_grad=True)
-        with Ops() as ops:
+        with OpNames() as ops:
             attached = attach_indexer_loss(out, *leaves, sel, target, grad_scale=2.0, num_global_queries=8,
                                            kl=backend.indexer_kl)
             attached.out.sum().backward()
@@ -347,21 +337,10 @@ def test_cuda_backend_attaches_the_loss_through_the_triton_op() -> None:
 
 def test_backend_layer_call_is_one_op_and_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``CUDABackend.indexer_topk``: around the op only detaches (no copy, no sync), inside it one kernel launch."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cpkv.backends.cuda import CUDABackend
     from cpkv.backends.reference import ReferenceBackend
     from cpkv.backends.triton.launches import KernelLaunch
     from cpkv.plan.segments import plan_segments
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     launched: list[str] = []
     run = KernelLaunch.__call__
@@ -372,7 +351,7 @@ def test_backend_layer_call_is_one_op_and_one_launch(monkeypatch: pytest.MonkeyP
     gen = torch.Generator().manual_seed(9)
     q, w = torch.randn(40, 2, 16, generator=gen), torch.rand(40, 2, generator=gen)
     k = torch.randn(visible.num_entries, 16, generator=gen)
-    ops = Ops()
+    ops = OpNames()
     with ops:
         got = CUDABackend(triton_kernels=True).indexer_topk(q, k, w, segments, visible, topk=4)
     assert ops.names == ["aten.detach"] * 3 + ["cpkv_triton.indexer_topk"]

@@ -134,6 +134,32 @@ def test_selected_probs_matches_reference() -> None:
     assert (got.sum(1) <= q.shape[1] + 1e-4).all()  # the sink keeps part of each head's mass
 
 
+@pytest.mark.parametrize("case", [(5, 20, 40, 24, 9, 70, 64), (6, 3, 512, 512, 7, 9, 4), (4, 4, 40, 24, 6, 5, 0),
+                                  (4, 4, 40, 24, 6, 5, 5)], ids=lambda c: "x".join(map(str, c)))
+def test_forward_writes_the_kl_target_of_its_own_scores(case: tuple[int, ...]) -> None:
+    """``sparse_attention_probs_op``: the same out, lse and gradients as ``sparse_attention_op`` (bitwise: the same
+    kernel arithmetic), and the probabilities of the columns ``>= probs_from`` of ``selected_probs`` (1e-5 as above).
+
+    Cases: two head blocks with the target in the second K step only; D = 512 with a sink; every column; none.
+    """
+    num_q, heads, dim, d_v, num_kv, width, probs_from = case
+    gen = torch.Generator().manual_seed(sum(case))
+    q, kv, sinks = torch.randn(num_q, heads, dim, generator=gen), torch.randn(num_kv, dim, generator=gen), torch.randn(heads, generator=gen)
+    idx = _indices(num_q, width, num_kv, gen)
+    scale = dim**-0.5
+    leaves = [x.clone().requires_grad_(True) for x in (q, kv, sinks)]
+    out, lse, probs = ops.sparse_attention_probs_op(leaves[0], leaves[1], idx, leaves[2], scale, d_v, False, probs_from)
+    assert not probs.requires_grad and probs.shape == (num_q, width - probs_from)
+    want_out, want_lse = ops.sparse_attention_op(q, kv, idx, sinks, scale, d_v, False)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    _close(probs, ref_probs(q, kv, idx[:, probs_from:], want_lse, scale, 64), 1e-5)
+    got = torch.autograd.grad(out.sum() + lse.sum(), leaves)
+    plain = [x.clone().requires_grad_(True) for x in (q, kv, sinks)]
+    p_out, p_lse = ops.sparse_attention_op(*plain[:2], idx, plain[2], scale, d_v, False)
+    for g, w in zip(got, torch.autograd.grad(p_out.sum() + p_lse.sum(), plain)):
+        assert torch.equal(g, w)
+
+
 def test_inverted_index_lists_each_row_in_query_order() -> None:
     idx = torch.tensor([[2, -1, 0], [2, 2, -1], [-1, -1, -1], [0, 1, 2]])
     pair_t, row_ptr = ops.inverted_index(idx, 4)
@@ -148,4 +174,6 @@ def test_fakes_match_the_kernels() -> None:
         torch.library.opcheck(ops.sparse_attention_op, (q, kv, idx, torch.randn(2), 0.25, 8, False),
                               test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(ops.selected_probs_op, (q, kv, idx, torch.randn(3, 2), 0.25),
+                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(ops.sparse_attention_probs_op, (q, kv, idx, torch.randn(2), 0.25, 8, False, 1),
                               test_utils=("test_schema", "test_faketensor"))

@@ -50,6 +50,7 @@ def test_aot_launches_are_the_launches_the_ops_make(monkeypatch: pytest.MonkeyPa
         out, lse = ops.sparse_attention_op(q, kv, idx, torch.zeros(case.heads), 0.2, case.d_v, deterministic)
         out.sum().backward()
     ops.selected_probs_op(q.detach(), kv.detach(), idx, lse.detach(), 0.2)
+    ops.sparse_attention_probs_op(q.detach(), kv.detach(), idx, torch.zeros(case.heads), 0.2, case.d_v, False, 2)
     planned = [launch for launch in ops.aot_launches(case) if not launch.name.endswith("_gluon")]  # CUDA only
 
     def key(launch: KernelLaunch) -> tuple[str, object, tuple[str, ...]]:

@@ -29,6 +29,17 @@ def test_forward_work_by_hand() -> None:
     assert work["sparse_bwd"].counted_flops == 2 * h * k * (3 * d + 2 * d)
 
 
+def test_the_forward_with_the_kl_target_does_no_second_qk() -> None:
+    """``sparse_fwd_probs``: the forward's FLOPs (no ``selected_probs`` pass), plus its scratch round trip and the target."""
+    case = _flash(torch.bfloat16)
+    work = {w.name: w for w in kernel_work(case, aot_launches(case))}
+    h, d, k, kc = 64, 512, 640, 512  # the target covers the 512 entries after the 128 window rows
+    assert work["sparse_fwd_probs"].flops == work["sparse_fwd"].flops
+    steps = k // 32  # 32 entries a step
+    scratch = h * (k * 2 * 2 + steps * 4 * 2)  # exp(s - m) in bf16 and the running max, stored and read back
+    assert work["sparse_fwd_probs"].bytes == work["sparse_fwd"].bytes + scratch + kc * 4
+
+
 def test_backward_passes_do_each_flop_once() -> None:
     """S and dP (first pass), dq (second), dS^T Q + P^T dO (third): the counted backward exactly, atomic or not."""
     case = _flash(torch.bfloat16)

@@ -89,6 +89,17 @@ class ReferenceBackend:
         out, lse = sparse_attention_op(q, kv, indices, sinks, scale, d_v, self.block_size)
         return AttentionResult(out, lse)
 
+    def sparse_attention_probs(
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None, probs_from: int,
+    ) -> tuple[AttentionResult, Tensor]:
+        """:meth:`sparse_attention`, then :meth:`selected_probs` of ``indices[:, probs_from:]`` under its LSE.
+
+        Returns:
+            ``(AttentionResult, probs [T, K - probs_from] fp32/fp64)``; probs without gradient.
+        """
+        result = self.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks)
+        return result, self.selected_probs(q, kv, indices[:, probs_from:], result.lse, scale=scale)
+
     def selected_probs(self, q: Tensor, kv: Tensor, indices: Tensor, lse: Tensor, *, scale: float) -> Tensor:
         """``[T, K]`` fp32/fp64 head-summed probabilities ``sum_h exp(q_h . kv[indices] * scale - lse_h)``.
 

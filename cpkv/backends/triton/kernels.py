@@ -32,18 +32,17 @@ import triton.language as tl
 
 
 @triton.jit
-def sparse_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
-    N, H, K,
+def _fwd_item(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_rows, m_rows,
+    t, hb, T, N, H, K, probs_from,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     scale,
     D: tl.constexpr, DV: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PROBS: tl.constexpr,
 ):
-    """out[t, heads] and lse[t, heads]; grid (T, cdiv(H, BLOCK_H)). Q resident, each kv tile loaded once."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """One (row ``t``, head block ``hb``) of the forward: out, lse, and with ``PROBS`` the KL target (see the kernels)."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = DV + tl.arange(0, BLOCK_R)
@@ -72,8 +71,13 @@ def sparse_fwd_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v, input_precision=PREC)
+        p_lo = p.to(kv_v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, kv_v, input_precision=PREC)
         m = m_new
+        if PROBS:
+            if k0 + BLOCK_K > probs_from:  # the step's exp(s - m), as the PV product took it, and m
+                tl.store(p_rows + kk[None, :], p_lo)
+                tl.store(m_rows + (k0 // BLOCK_K) * BLOCK_H, m_new)
     lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
     if HAS_SINK:
         sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
@@ -84,6 +88,68 @@ def sparse_fwd_kernel(
     o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_v[None, :])
     tl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
+    if PROBS:  # the KL target from the stored steps: no second QK^T
+        tl.debug_barrier()  # every thread's scratch stores are visible to the whole program
+        finite = mask_h & (lse > float("-inf"))
+        probs_row = probs_ptr + (hb * T + t) * (K - probs_from) - probs_from
+        for k0 in range(probs_from // BLOCK_K * BLOCK_K, K, BLOCK_K):
+            kk = k0 + offs_k
+            p_step = tl.load(p_rows + kk[None, :]).to(tl.float32)
+            m_step = tl.load(m_rows + (k0 // BLOCK_K) * BLOCK_H)
+            weight = tl.where(finite, tl.exp(m_step - lse), 0.0)
+            tl.store(probs_row + kk, tl.sum(p_step * weight[:, None], 0), mask=(kk >= probs_from) & (kk < K))
+        tl.debug_barrier()  # the program's next item reuses the scratch rows
+
+
+@triton.jit
+def sparse_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
+    N, H, K,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+    scale,
+    D: tl.constexpr, DV: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """out[t, heads] and lse[t, heads]; grid (T, cdiv(H, BLOCK_H)). Q resident, each kv tile loaded once."""
+    _fwd_item(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, lse_ptr, lse_ptr,
+              tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(0), N, H, K, 0,
+              stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, scale,
+              D, DV, HAS_SINK, HAS_REST, BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, PREC, False)
+
+
+@triton.jit
+def sparse_fwd_probs_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_scratch_ptr, m_scratch_ptr,
+    T, N, H, K, probs_from,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
+    scale,
+    D: tl.constexpr, DV: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """:func:`sparse_fwd_kernel` that also writes the KL target of the columns ``k >= probs_from``, without another QK^T.
+
+    Persistent, grid ``(P,)``: program ``p`` takes the items ``p, p + P, ...`` of the
+    ``T * cdiv(H, BLOCK_H)`` (row, head block) items. Each step's ``exp(s - m)`` (in the
+    dtype the PV product takes it) and running max ``m`` go to the program's scratch rows
+    (``p_scratch [P, BLOCK_H, K_pad]`` in q's dtype and ``m_scratch [P, steps, BLOCK_H]`` fp32,
+    L2-resident); once the row's LSE (sink included) is known,
+    ``probs[hb, t, k - probs_from] = sum_h exp(s - m) * exp(m - lse)`` for ``k >= probs_from``
+    (``[cdiv(H, BLOCK_H), T, K - probs_from]`` fp32, 0 at padding): the head-summed
+    probabilities of those entries, what ``selected_probs_kernel`` computes with a second QK^T.
+    """
+    pid = tl.program_id(0)
+    HB = tl.cdiv(H, BLOCK_H)
+    offs_b = tl.arange(0, BLOCK_H)
+    k_pad = tl.cdiv(K, BLOCK_K) * BLOCK_K
+    p_rows = p_scratch_ptr + (pid * BLOCK_H + offs_b).to(tl.int64)[:, None] * k_pad
+    m_rows = m_scratch_ptr + pid.to(tl.int64) * tl.cdiv(K, BLOCK_K) * BLOCK_H + offs_b
+    for item in range(pid, T * HB, tl.num_programs(0)):
+        _fwd_item(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_rows, m_rows,
+                  (item // HB).to(tl.int64), item % HB, T, N, H, K, probs_from,
+                  stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, scale,
+                  D, DV, HAS_SINK, HAS_REST, BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, PREC, True)
 
 
 @triton.jit

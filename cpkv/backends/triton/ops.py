@@ -49,10 +49,11 @@ from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = [
     "aot_launches", "inverted_index", "inverted_pairs", "selected_probs_op", "sparse_attention_backward_op",
-    "sparse_attention_op",
+    "sparse_attention_op", "sparse_attention_probs_op",
 ]
 
 NEG_INF = float("-inf")
+META_SMS = 132  # SMs of a meta-tensor (compile-only) launch: an H100/H200's
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
         return _Tiles(h, 32, v, r, 64, 4, 1)
     if kernel == "bwd_dq":
         return _Tiles(h, 64, v, r, 64, 8, 1)
+    if kernel == "fwd_probs":  # the scratch stores' addresses need registers: 32 entries a step (64 spill)
+        return _Tiles(h, 32, v, r, 64, 8, 2)
     if kernel == "bwd_dkv":  # 128 entries a step, split over the two warpgroups: half the Q/dO chunk re-reads of 64
         return _Tiles(h, 128, v, r, 64, 8, 1)
     return _Tiles(h, 64, v, r, 64, 8, 2)
@@ -152,7 +155,7 @@ def _fwd_gluon_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, 
 
 def _fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor, scale: float,
                 d_v: int) -> KernelLaunch:
-    """The forward's one launch: grid (T, cdiv(H, BLOCK_H)), writing ``out`` and ``lse``.
+    """The forward's one launch, writing ``out`` and ``lse``.
 
     The Gluon twin where it fits and ``CPKV_TRITON_GLUON=1``; else the plain-Triton kernel.
     """
@@ -161,32 +164,64 @@ def _fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: T
     return _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
 
 
+def _probs_programs(device: torch.device, items: int) -> int:
+    """Persistent programs of the forward with the KL target: two per SM on CUDA (a cached host attribute), else one per item."""
+    if device.type == "cuda":
+        return max(1, min(items, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(items, 2 * META_SMS if device.type == "meta" else items))
+
+
 def _plain_fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
-                      scale: float, d_v: int) -> KernelLaunch:
-    """The plain-Triton forward (:func:`~cpkv.backends.triton.kernels.sparse_fwd_kernel`)."""
+                      scale: float, d_v: int, probs: Tensor | None = None, probs_from: int = 0) -> KernelLaunch:
+    """The plain-Triton forward (:func:`~cpkv.backends.triton.kernels.sparse_fwd_kernel`, grid (T, head blocks)).
+
+    With ``probs`` (``[cdiv(H, BLOCK_H), T, K - probs_from]`` fp32): ``sparse_fwd_probs_kernel``,
+    which also writes the KL target of the columns ``>= probs_from``, on persistent programs
+    with L2 scratch rows.
+    """
     (num_q, heads, dim), width = q.shape, idx.shape[1]
-    b = _tiles("fwd", q, d_v)
+    b = _tiles("fwd" if probs is None else "fwd_probs", q, d_v)
+    strides = (q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1))
+    constexprs = {**_channel_constexprs(b, dim, d_v, q), "HAS_SINK": sinks is not None}
+    sink_arg = sinks if sinks is not None else lse
+    if probs is None:
+        return KernelLaunch(
+            "sparse_fwd", _kernels().sparse_fwd_kernel, (num_q, triton_cdiv(heads, b.h)),
+            (q, kv, idx, sink_arg, out, lse, kv.shape[0], heads, width, *strides, scale), constexprs, b.warps, b.stages,
+        )
+    programs = _probs_programs(q.device, num_q * triton_cdiv(heads, b.h))
+    steps = triton_cdiv(width, b.k)
+    p_scratch = torch.empty((programs, b.h, steps * b.k), dtype=q.dtype, device=q.device)
+    m_scratch = torch.empty((programs, steps, b.h), dtype=torch.float32, device=q.device)
     return KernelLaunch(
-        "sparse_fwd", _kernels().sparse_fwd_kernel, (num_q, triton_cdiv(heads, b.h)),
-        (q, kv, idx, sinks if sinks is not None else lse, out, lse,
-         kv.shape[0], heads, width,
-         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-         scale),
-        {**_channel_constexprs(b, dim, d_v, q), "HAS_SINK": sinks is not None}, b.warps, b.stages,
+        "sparse_fwd_probs", _kernels().sparse_fwd_probs_kernel, (programs,),
+        (q, kv, idx, sink_arg, out, lse, probs, p_scratch, m_scratch, num_q, kv.shape[0], heads, width, probs_from,
+         *strides, scale), constexprs, b.warps, b.stages,
     )
 
 
-def _launch_fwd(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale: float, d_v: int) -> tuple[Tensor, Tensor]:
+def _launch_fwd(
+    q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale: float, d_v: int, probs_from: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, probs)``: the forward, and with ``probs_from`` the head-summed probabilities of the columns
+    ``>= probs_from`` (``[T, K - probs_from]`` fp32) from the same launch (the plain kernel; no Gluon);
+    without it ``probs`` is ``[T, 0]``."""
     num_q, heads = q.shape[:2]
     out = q.new_zeros((num_q, heads, d_v))
     if sinks is None:
         lse = q.new_full((num_q, heads), NEG_INF, dtype=torch.float32)
     else:
         lse = sinks.to(torch.float32).expand(num_q, heads).contiguous()
-    if num_q == 0 or idx.shape[1] == 0:
-        return out, lse
-    _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)()
-    return out, lse
+    width = idx.shape[1]
+    if probs_from is None:
+        if num_q and width:
+            _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)()
+        return out, lse, lse.new_zeros((num_q, 0))
+    blocks = triton_cdiv(heads, _tiles("fwd_probs", q, d_v).h)
+    parts = torch.zeros((blocks, num_q, width - probs_from), dtype=torch.float32, device=q.device)
+    if num_q and width:
+        _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v, parts, probs_from)()
+    return out, lse, parts.sum(0) if blocks > 1 else parts[0]
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -224,7 +259,8 @@ def sparse_attention_op(
         a row without valid entry has out 0 and lse ``-inf`` (``sink`` with sinks).
     """
     q, kv, idx = _prepare(q, kv, indices)
-    return _launch_fwd(q, kv, idx, None if sinks is None else sinks.contiguous(), scale, d_v)
+    out, lse, _ = _launch_fwd(q, kv, idx, None if sinks is None else sinks.contiguous(), scale, d_v)
+    return out, lse
 
 
 @sparse_attention_op.register_fake
@@ -395,6 +431,47 @@ def _backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor | None, ..
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("cpkv_triton::sparse_attention_probs", mutates_args=())
+def sparse_attention_probs_op(
+    q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor | None, scale: float, d_v: int, deterministic: bool,
+    probs_from: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``cpkv_triton::sparse_attention`` that also returns the KL target of the columns ``>= probs_from``.
+
+    Args:
+        q, kv, indices, sinks, scale, d_v, deterministic: as :func:`sparse_attention_op`.
+        probs_from: the first column of ``indices`` whose probabilities are returned (``0 <= probs_from <= K``).
+
+    Returns:
+        ``(out, lse, probs)``: ``out`` and ``lse`` as :func:`sparse_attention_op` (the same
+        gradients), ``probs`` ``[T, K - probs_from]`` fp32 ``sum_h exp(scale * q[t, h] .
+        kv[indices[t, k]] - lse[t, h])`` (0 at padding; no gradient): :func:`selected_probs_op`
+        of those columns under this call's LSE, from the forward's own scores (each step's
+        ``exp(s - m)`` kept in L2 scratch, then rescaled by the final LSE), not another QK^T.
+    """
+    q, kv, idx = _prepare(q, kv, indices)
+    return _launch_fwd(q, kv, idx, None if sinks is None else sinks.contiguous(), scale, d_v, probs_from)
+
+
+@sparse_attention_probs_op.register_fake
+def _(q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor | None, scale: float, d_v: int, deterministic: bool,
+      probs_from: int) -> tuple[Tensor, Tensor, Tensor]:
+    return (q.new_empty((*q.shape[:2], d_v)), q.new_empty(q.shape[:2], dtype=torch.float32),
+            q.new_empty((q.shape[0], indices.shape[1] - probs_from), dtype=torch.float32))
+
+
+def _probs_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    _setup_context(ctx, inputs[:-1], output[:2])
+    ctx.mark_non_differentiable(output[2])
+
+
+def _probs_backward(ctx: Any, d_out: Tensor, d_lse: Tensor, _d_probs: Tensor | None) -> tuple[Tensor | None, ...]:
+    return (*_backward(ctx, d_out, d_lse), None)
+
+
+sparse_attention_probs_op.register_autograd(_probs_backward, setup_context=_probs_setup_context)
+
+
 def _probs_launch(q: Tensor, kv: Tensor, idx: Tensor, lse: Tensor, out: Tensor, scale: float) -> KernelLaunch:
     """The KL target's launch: per-head-block sums ``out [cdiv(H, BLOCK_H), T, K]``; grid (T, head blocks).
 
@@ -443,7 +520,8 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     """The sparse ops' launches at ``case``'s shapes on ``meta`` tensors (GPU tiles), for the sm_90a compile report.
 
     Built by the same functions the ops call: the Gluon forward (where it fits: opt-in with
-    ``CPKV_TRITON_GLUON=1``), the forward, the backward's three passes (``P``/``dS``, dq, dkv
+    ``CPKV_TRITON_GLUON=1``), the forward, the forward with the KL target (of the columns after
+    V4's 128 window rows), the backward's three passes (``P``/``dS``, dq, dkv
     with atomics), the deterministic dkv pass and key-major reduce (one chunk of query rows),
     and the KL target's head-summed
     probabilities. Nothing runs; no device is needed.
@@ -474,7 +552,11 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     fwd = _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
     gluon = _fwd_gluon_launch(q, kv, idx, sinks, out, lse, scale) if _gluon_fits(q, d_v) else None
     triton_fwd = fwd if fwd.name == "sparse_fwd" else _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
+    window = min(128, width)  # V4's window columns come first; the target covers the compressed entries
+    fwd_blocks = triton_cdiv(heads, _tiles("fwd_probs", q, d_v).h)
+    probs = torch.empty((fwd_blocks, num_q, width - window), dtype=f32, device=meta)
     return [*([gluon] if gluon is not None else []), triton_fwd,
+        _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v, probs, window),
         *_bwd_launches(out, q, kv, idx, lse, lse, dq, p, p, dkv, scale, d_v, True),
         _bwd_launches(out[:chunk], q[:chunk], kv, idx[:chunk], lse[:chunk], lse[:chunk], dq[:chunk], p[:chunk],
                       p[:chunk], partials, scale, d_v, False)[-1],
