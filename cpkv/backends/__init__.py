@@ -1,8 +1,8 @@
 """Attention backends behind one narrow interface (:class:`AttentionBackend`).
 
-A backend implements five primitives over packed (TND) tensors: ``varlen_attention``,
-``range_attention`` (ring rounds), ``sparse_attention``, ``selected_probs`` and
-``indexer_topk`` (:mod:`cpkv.backends.base`).
+A backend implements seven primitives over packed (TND) tensors: ``varlen_attention``,
+``range_attention`` (ring rounds), ``sparse_attention``, ``sparse_attention_probs``,
+``selected_probs``, ``indexer_topk`` and ``indexer_kl`` (:mod:`cpkv.backends.base`).
 
 Select one with :func:`get_backend`:
 
