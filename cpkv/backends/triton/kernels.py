@@ -32,6 +32,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _scores(q_v, q_r, kv_ptr, idx_row, kk, N, K, stride_kvn, offs_v, offs_r, mask_v, mask_r,
+            HAS_REST: tl.constexpr, PREC: tl.constexpr):
+    """One K step: ``(s, valid, kv_v)``, the scores ``q . kv[idx]^T`` ``[BLOCK_H, BLOCK_K]`` fp32 of entries ``kk``,
+    their mask (an entry outside ``[0, N)`` is padding: never loaded), and the gathered value tile."""
+    rows = tl.load(idx_row + kk, mask=kk < K, other=-1)
+    valid = (rows >= 0) & (rows < N)
+    kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
+    kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
+    s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
+    if HAS_REST:
+        kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        s += tl.dot(q_r, tl.trans(kv_r), input_precision=PREC)
+    return s, valid, kv_v
+
+
+@triton.jit
 def _fwd_item(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_rows, m_rows,
     t, hb, T, N, H, K, probs_from,
@@ -51,6 +67,7 @@ def _fwd_item(
     mask_r = offs_r < D
     q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+    q_r = q_v  # a placeholder without rest channels (never read)
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -58,14 +75,8 @@ def _fwd_item(
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded or written
-        kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
-        kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
-        s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
-        if HAS_REST:
-            kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
-            s += tl.dot(q_r, tl.trans(kv_r), input_precision=PREC)
+        s, valid, kv_v = _scores(q_v, q_r, kv_ptr, idx_ptr + t * stride_it, kk, N, K, stride_kvn, offs_v, offs_r,
+                                 mask_v, mask_r, HAS_REST, PREC)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -182,6 +193,7 @@ def sparse_bwd_ds_kernel(
     q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
     do_v = tl.load(do_ptr + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :],
                    mask=mask_h[:, None] & mask_v[None, :], other=0.0).to(q_v.dtype)
+    q_r = q_v  # a placeholder without rest channels (never read)
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=0.0)
@@ -190,14 +202,8 @@ def sparse_bwd_ds_kernel(
     out_rows = (t * H + offs_h).to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded
-        kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
-        kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
-        s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
-        if HAS_REST:
-            kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
-            s += tl.dot(q_r, tl.trans(kv_r), input_precision=PREC)
+        s, valid, kv_v = _scores(q_v, q_r, kv_ptr, idx_ptr + t * stride_it, kk, N, K, stride_kvn, offs_v, offs_r,
+                                 mask_v, mask_r, HAS_REST, PREC)
         dp = tl.dot(do_v, tl.trans(kv_v), input_precision=PREC)
         p = tl.where(mask_h[:, None] & valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None]) * scale
@@ -370,6 +376,7 @@ def selected_probs_kernel(
     mask_r = offs_r < D
     q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+    q_r = q_v  # a placeholder without rest channels (never read)
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=0.0)
@@ -377,14 +384,8 @@ def selected_probs_kernel(
     out_row = out_ptr + (hb * tl.num_programs(0) + t) * K
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = (rows >= 0) & (rows < N)  # outside [0, N): padding, never loaded or written
-        kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
-        kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
-        s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
-        if HAS_REST:
-            kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
-            s += tl.dot(q_r, tl.trans(kv_r), input_precision=PREC)
+        s, valid, kv_v = _scores(q_v, q_r, kv_ptr, idx_ptr + t * stride_it, kk, N, K, stride_kvn, offs_v, offs_r,
+                                 mask_v, mask_r, HAS_REST, PREC)
         p = tl.where(mask_h[:, None] & valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         tl.store(out_row + kk, tl.sum(p, 0), mask=kk < K)
 
