@@ -79,3 +79,20 @@ def median_ms(fn: Callable[[], Any], reps: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def attention_timers(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, x: dict[str, Any]
+                     ) -> tuple[Callable[[Callable[..., Any]], Callable[[], Any]], Callable[[Callable[..., Any]], Callable[[], Any]]]:
+    """``(fwd, fwd_bwd)``: for an op ``fn(q, kv, sinks, idx) -> (out, ...)``, a no-grad forward call and a
+    forward + backward call (``x["d_out"]`` into out) on the given leaves and ``x["idx"]``, for :func:`median_ms`."""
+
+    def fwd(fn: Callable[..., Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.no_grad():
+                return fn(q, kv, sinks, x["idx"])
+        return run
+
+    def fwd_bwd(fn: Callable[..., Any]) -> Callable[[], Any]:
+        return lambda: torch.autograd.backward(fn(q, kv, sinks, x["idx"])[0], x["d_out"])
+
+    return fwd, fwd_bwd

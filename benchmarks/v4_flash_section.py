@@ -27,7 +27,7 @@ from cpkv.backends.triton.indexer_ops import indexer_topk_op
 from cpkv.backends.triton.ops import sparse_attention_op
 
 from v4_sparse_section import grads_of, inputs  # noqa: E402 - benchmarks/ is on sys.path when run
-from device_common import median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
+from device_common import attention_timers, median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
 
 H, D, DV, WINDOW, TOPK = 64, 512, 512, 128, 512
 HEADER = ["| T | check / phase | value | bound or reference | ok / TFLOP/s |", "|---|---|---|---|---|"]
@@ -88,14 +88,7 @@ def bench(num_q: int, device: torch.device, reps: int, with_reference: bool) -> 
     flops_f, flops_b = 2.0 * num_q * H * (WINDOW + TOPK) * (D + DV), 2.0 * num_q * H * (WINDOW + TOPK) * (3 * D + 2 * DV)
     rows, t = [], {}
 
-    def fwd(fn: Callable[..., Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            with torch.no_grad():
-                return fn(q, kv, s, x["idx"])
-        return run
-
-    def fwd_bwd(fn: Callable[..., Any]) -> Callable[[], Any]:
-        return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
+    fwd, fwd_bwd = attention_timers(q, kv, s, x)
 
     size = f"{num_q // 1024}K"
     t["fwd"] = median_ms(fwd(_triton(False)), reps)

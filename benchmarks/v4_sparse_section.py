@@ -31,7 +31,7 @@ import torch
 from cpkv.backends.reference.sparse import selected_probs_op as ref_probs
 from cpkv.backends.reference.sparse import sparse_attention_op as ref_sparse
 from cpkv.backends.triton.ops import selected_probs_op, sparse_attention_op, sparse_attention_probs_op
-from device_common import median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
+from device_common import attention_timers, median_ms  # noqa: E402 - benchmarks/ is on sys.path when run
 
 D, DV, WINDOW = 512, 512, 128
 HEADS, TOPKS, TOKENS = (64, 128), (640, 2048), (8192, 32768)
@@ -143,14 +143,7 @@ def bench(num_q: int, heads: int, topk: int, device: torch.device, reps: int, wi
     flops_f, flops_b = flops(num_q, heads, topk)
     tag = f"| {heads} | {topk} | {num_q // 1024}K "
 
-    def fwd(fn: Callable[..., Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            with torch.no_grad():
-                return fn(q, kv, s, x["idx"])
-        return run
-
-    def fwd_bwd(fn: Callable[..., Any]) -> Callable[[], Any]:
-        return lambda: torch.autograd.backward(fn(q, kv, s, x["idx"])[0], x["d_out"])
+    fwd, fwd_bwd = attention_timers(q, kv, s, x)
 
     t = {"fwd": median_ms(fwd(_triton(False)), reps)}
     with gluon_forward():

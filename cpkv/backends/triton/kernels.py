@@ -32,6 +32,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _q_tiles(q_rows, offs_v, offs_r, mask_h, mask_v, mask_r, HAS_REST: tl.constexpr):
+    """The resident Q tiles of a head block: the value channels ``[0, DV)`` and the rest ``[DV, D)``
+    (``q_v`` again as a never-read placeholder without rest channels)."""
+    q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+    q_r = q_v
+    if HAS_REST:
+        q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    return q_v, q_r
+
+
+@triton.jit
 def _scores(q_v, q_r, kv_ptr, idx_row, kk, N, K, stride_kvn, offs_v, offs_r, mask_v, mask_r,
             HAS_REST: tl.constexpr, PREC: tl.constexpr):
     """One K step: ``(s, valid, kv_v)``, the scores ``q . kv[idx]^T`` ``[BLOCK_H, BLOCK_K]`` fp32 of entries ``kk``,
@@ -65,11 +76,8 @@ def _fwd_item(
     mask_h = offs_h < H
     mask_v = offs_v < DV
     mask_r = offs_r < D
-    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
-    q_r = q_v  # a placeholder without rest channels (never read)
-    if HAS_REST:
-        q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    q_v, q_r = _q_tiles(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, offs_v, offs_r, mask_h, mask_v, mask_r,
+                        HAS_REST)
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
@@ -189,13 +197,10 @@ def sparse_bwd_ds_kernel(
     mask_h = offs_h < H
     mask_v = offs_v < DV
     mask_r = offs_r < D
-    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+    q_v, q_r = _q_tiles(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, offs_v, offs_r, mask_h, mask_v, mask_r,
+                        HAS_REST)
     do_v = tl.load(do_ptr + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :],
                    mask=mask_h[:, None] & mask_v[None, :], other=0.0).to(q_v.dtype)
-    q_r = q_v  # a placeholder without rest channels (never read)
-    if HAS_REST:
-        q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta = tl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)
@@ -374,11 +379,8 @@ def selected_probs_kernel(
     mask_h = offs_h < H
     mask_v = offs_v < DV
     mask_r = offs_r < D
-    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
-    q_v = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
-    q_r = q_v  # a placeholder without rest channels (never read)
-    if HAS_REST:
-        q_r = tl.load(q_rows + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    q_v, q_r = _q_tiles(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, offs_v, offs_r, mask_h, mask_v, mask_r,
+                        HAS_REST)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     out_row = out_ptr + (hb * tl.num_programs(0) + t) * K
