@@ -19,7 +19,8 @@ the warps along M cover more rows than the dot has, so each warpgroup computes t
 rows), ``mma.sync`` (Ampere-style) or ``FMA`` (no tensor cores: the fp32 IEEE path), and
 the kernel's PTX counts of ``wgmma.mma_async``, ``mma.sync`` and ``fma.rn.f32``. The last line is
 ``compile report: N kernel configs, S with spills, M dots not on wgmma (bf16)``; the exit
-status is 1 on a compile error, a spill in a bf16 case or a bf16 ``tl.dot`` not on wgmma (CI's condition).
+status is 1 on a compile error, a spill in a bf16 case, a bf16 ``tl.dot`` not on wgmma, or a
+replicated bf16 dot (two warpgroups computing the same rows: FLOPs done twice) (CI's condition).
 
 Cases (the DeepSeek-V4 attention shapes; transformers' ``DeepseekV4Config`` defaults are
 V4-Flash: 64 heads, head dim 512, sliding window 128, indexer 64 heads x 128, top-k 512;
@@ -262,11 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     spilled = [r for r in rows if r.spill_bytes > 0]
     bf16_spills = [r for r in spilled if "bf16" in r.case]
     not_wgmma = sum(1 for r in rows if "bf16" in r.case for d in r.dots if d.kind != "wgmma")
+    replicated = [f"{r.name} {r.case} L{d.line}" for r in rows if "bf16" in r.case for d in r.dots
+                  if "replicated" in d.detail]
     print(f"({time.monotonic() - started:.0f} s; {errors} compile errors; bf16 spills: "
-          f"{', '.join(f'{r.name} {r.case}' for r in bf16_spills) or 'none'})")
+          f"{', '.join(f'{r.name} {r.case}' for r in bf16_spills) or 'none'}; bf16 replicated dots: "
+          f"{', '.join(replicated) or 'none'})")
     print(f"compile report: {len(rows) + errors} kernel configs, {len(spilled)} with spills, "
           f"{not_wgmma} dots not on wgmma (bf16)")
-    return 1 if errors or bf16_spills or not_wgmma else 0
+    return 1 if errors or bf16_spills or not_wgmma or replicated else 0
 
 
 if __name__ == "__main__":

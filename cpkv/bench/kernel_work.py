@@ -6,13 +6,13 @@ warps), next to the counted work: cuDNN's convention, forward ``2*H*K*(D + d_v)`
 backward ``2*H*K*(3*D + 2*d_v)`` FLOPs per query row, and the minimum bytes (each operand
 read once, each result written once).
 
-Executed FLOPs count the padded tiles each program multiplies, times the replication of a
-chained dot: Triton 3.6 lays a ``tl.dot`` whose result feeds another dot (S -> P -> PV) out
-with all warps along M (``warpsPerTileV3`` returns ``[num_warps, 1]``), so with wgmma (16 rows
-a warp) a ``BLOCK_H``-row dot covers ``16 * num_warps`` rows: at 64 heads and 8 warps both
-warpgroups compute the same 64 rows (replication 2; the compile report shows it as
-``warps [8, 1]``). The backward's passes chain no dot into another (``P``/``dS`` go through
-memory), and its first pass runs on one warpgroup; mma.sync and FMA dots count once.
+Executed FLOPs count the padded tiles each program multiplies, each once. No dot is computed
+twice by two warpgroups: Triton 3.6 lays a ``tl.dot`` whose result feeds another dot out with all
+warps along M (``warpsPerTileV3`` returns ``[num_warps, 1]``), which at 64 heads and 8 warps would
+have both warpgroups compute the same rows; the forward's QK^T and softmax sit in a branch, which
+ends the compiler's dependence slice, and the backward's passes chain no dot into another
+(``P``/``dS`` go through memory). The compile report checks it (it fails on a replicated bf16
+dot), so this model does not have to guess.
 The backward's passes are listed one by one and summed (``sparse_bwd`` with atomic dkv,
 ``sparse_bwd_deterministic`` with the stored terms and the reduce); the targets apply to the sums.
 Bytes count what the loads move (masked lanes move nothing): Q/dO once per program, kv rows
@@ -64,11 +64,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chained_replication(block_m: int, num_warps: int, tensor_cores: bool) -> int:
-    """How many times a chained wgmma dot of ``block_m`` rows is computed (``16 * num_warps`` rows covered)."""
-    return max(1, 16 * num_warps // block_m) if tensor_cores else 1
-
-
 def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelWork]:
     """The work of each sparse attention launch of ``launches`` (others are skipped) at ``case``'s shapes.
 
@@ -91,14 +86,11 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
         raise ValueError(f"case needs positive sizes and d_v <= dim, got {case}")
     h, d, dv, k = case.heads, case.dim, case.d_v, case.topk
     e = torch.empty((), dtype=case.dtype).element_size()
-    tc = case.dtype in (torch.bfloat16, torch.float16)
     fwd_counted, bwd_counted = 2.0 * h * k * (d + dv), 2.0 * h * k * (3 * d + 2 * dv)
     out: list[KernelWork] = []
     for launch in launches:
         c: Mapping[str, Any] = launch.constexprs
         blocks = launch.grid[1] if len(launch.grid) > 1 else 1
-        if launch.name in ("sparse_fwd", "sparse_fwd_probs"):  # a 1-D grid of (row, head block) items
-            blocks = _cdiv(h, int(c["BLOCK_H"]))
         if launch.name == "dkv_reduce":
             terms = blocks_of(launches) * k * d * 4.0
             out.append(KernelWork(launch.name, 0.0, 0.0, terms + 4.0 * k, 0.0, None))
@@ -127,14 +119,14 @@ def kernel_work(case: AOTCase, launches: Sequence[KernelLaunch]) -> list[KernelW
             continue
         bv = int(c["BLOCK_V"])
         width = bv + (int(c["BLOCK_R"]) if c["HAS_REST"] else 0)  # channels of one gathered tile
-        rep = chained_replication(bh, launch.num_warps, tc)
         if launch.name in ("sparse_fwd", "sparse_fwd_probs"):
-            flops = blocks * (2.0 * bh * kp * width * rep + 2.0 * bh * kp * bv)
+            flops = blocks * (2.0 * bh * kp * width + 2.0 * bh * kp * bv)
             moved = h * d * e + gather + h * dv * e + 8.0 * h
             least = h * d * e + k * d * e + 4.0 * k + h * dv * e + 8.0 * h
-            if launch.name == "sparse_fwd_probs":  # each step's exp(s - m) to L2 scratch and back, the target out
+            if launch.name == "sparse_fwd_probs":  # the target's steps' exp(s - m) and m to scratch and back
                 kc = int(launch.args[6].shape[-1])  # the target's columns (the probs buffer)
-                moved += blocks * bh * (kp * e * 2 + steps * 4.0 * 2) + blocks * kc * 4.0
+                kept = steps - (k - kc) // bk  # steps covering a target column
+                moved += blocks * bh * kept * (bk * e + 4.0) * 2 + blocks * kc * 4.0
                 least += kc * 4.0
             out.append(KernelWork(launch.name, flops, fwd_counted, moved, least, TARGETS[launch.name]))
         elif launch.name == "selected_probs":

@@ -160,6 +160,25 @@ def test_forward_writes_the_kl_target_of_its_own_scores(case: tuple[int, ...]) -
         assert torch.equal(g, w)
 
 
+def test_the_kl_target_forward_is_the_same_in_chunks_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 2 query rows (2, 2, 1), each with its own scratch: bitwise the one-chunk result."""
+    gen = torch.Generator().manual_seed(3)
+    q, kv, sinks = torch.randn(5, 20, 40, generator=gen), torch.randn(9, 40, generator=gen), torch.randn(20, generator=gen)
+    idx = _indices(5, 70, 9, gen)
+    whole = ops.sparse_attention_probs_op(q, kv, idx, sinks, 0.2, 24, False, 64)
+    budgets: list[int] = []
+
+    def two_rows(num_q: int, row_bytes: int, device: torch.device, budget: int = 0) -> int:
+        budgets.append(budget)
+        return 2
+
+    monkeypatch.setattr(ops, "_chunk_rows", two_rows)
+    chunked = ops.sparse_attention_probs_op(q, kv, idx, sinks, 0.2, 24, False, 64)
+    assert budgets == [512 << 20]
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+
+
 def test_inverted_index_lists_each_row_in_query_order() -> None:
     idx = torch.tensor([[2, -1, 0], [2, 2, -1], [-1, -1, -1], [0, 1, 2]])
     pair_t, row_ptr = ops.inverted_index(idx, 4)

@@ -119,10 +119,14 @@ def _compiled(case: str, *names: str) -> list[tuple[str, int, list[tuple[int, st
     return rows
 
 
-def test_bf16_backward_dots_are_all_wgmma_without_spills_or_replication() -> None:
-    """The backward's passes: every dot on wgmma, no spill, and no dot computed twice by two warpgroups
-    (``P``/``dS`` go through memory, so no dot feeds another; the dkv terms are built transposed)."""
-    names = ("sparse_bwd_ds", "sparse_bwd_dq", "sparse_bwd_dkv_atomic", "sparse_bwd_dkv_partials")
+def test_bf16_attention_dots_are_all_wgmma_without_spills_or_replication() -> None:
+    """The forward (with and without the KL target) and the backward's passes: every dot on wgmma,
+    no spill, and no dot computed twice by two warpgroups. The forward's QK^T ends Triton's
+    chained-dot slice inside a branch, so S splits over the warpgroups (``warps [4, 2]``); the
+    backward's ``P``/``dS`` go through memory, so no dot feeds another; the dkv terms are built
+    transposed."""
+    names = ("sparse_fwd", "sparse_fwd_probs", "sparse_bwd_ds", "sparse_bwd_dq", "sparse_bwd_dkv_atomic",
+             "sparse_bwd_dkv_partials")
     for name, spills, dots in _compiled("V4-Flash bf16", *names):
         assert spills == 0, name
         assert dots and all(kind == "wgmma" and "replicated" not in detail for _, kind, detail in dots), (name, dots)

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from cpkv.backends.triton.launches import AOTCase, v4_cases  # noqa: E402
 from cpkv.backends.triton.ops import aot_launches  # noqa: E402
 from cpkv.bench.__main__ import main as bench_main  # noqa: E402
-from cpkv.bench.kernel_work import chained_replication, kernel_work  # noqa: E402
+from cpkv.bench.kernel_work import kernel_work  # noqa: E402
 
 
 def _flash(dtype: torch.dtype) -> AOTCase:
@@ -22,8 +22,9 @@ def test_forward_work_by_hand() -> None:
     work = {w.name: w for w in kernel_work(case, aot_launches(case))}
     h, d, k = 64, 512, 640
     assert work["sparse_fwd"].counted_flops == 2 * h * k * (d + d)
-    # 64 heads, 8 warps: the chained QK^T dot covers 128 rows, so it runs twice; PV once.
-    assert work["sparse_fwd"].flops == 2 * (2 * h * k * d) + 2 * h * k * d
+    # 64 heads, 8 warps: QK^T split over the two warpgroups, PV too: each FLOP once.
+    assert work["sparse_fwd"].flops == 2 * h * k * d + 2 * h * k * d
+    assert work["sparse_fwd"].ratio == 1.0 and work["sparse_fwd"].target == 1.1
     # bytes: q once, each kv row and index once (one head block), out and lse/sinks once
     assert work["sparse_fwd"].bytes == h * d * 2 + k * d * 2 + 4 * k + h * d * 2 + 8 * h
     assert work["sparse_bwd"].counted_flops == 2 * h * k * (3 * d + 2 * d)
@@ -35,8 +36,8 @@ def test_the_forward_with_the_kl_target_does_no_second_qk() -> None:
     work = {w.name: w for w in kernel_work(case, aot_launches(case))}
     h, d, k, kc = 64, 512, 640, 512  # the target covers the 512 entries after the 128 window rows
     assert work["sparse_fwd_probs"].flops == work["sparse_fwd"].flops
-    steps = k // 32  # 32 entries a step
-    scratch = h * (k * 2 * 2 + steps * 4 * 2)  # exp(s - m) in bf16 and the running max, stored and read back
+    steps = kc // 64  # 64 entries a step; the window's two steps are not kept
+    scratch = h * (kc * 2 * 2 + steps * 4 * 2)  # exp(s - m) in bf16 and the running max, stored and read back
     assert work["sparse_fwd_probs"].bytes == work["sparse_fwd"].bytes + scratch + kc * 4
 
 
@@ -56,10 +57,7 @@ def test_backward_passes_do_each_flop_once() -> None:
     assert work["sparse_bwd_dq"].bytes == k * d * 2 + 4 * k + h * k * 2 + h * d * 4
 
 
-def test_fp32_dots_are_not_replicated_and_pro_has_two_head_blocks() -> None:
-    assert chained_replication(64, 8, tensor_cores=True) == 2
-    assert chained_replication(128, 8, tensor_cores=True) == 1
-    assert chained_replication(16, 8, tensor_cores=False) == 1
+def test_fp32_forward_does_each_flop_once_and_pro_has_two_head_blocks() -> None:
     case = _flash(torch.float32)
     fwd = kernel_work(case, aot_launches(case))[0]
     assert fwd.name == "sparse_fwd" and fwd.ratio == 1.0

@@ -4,8 +4,9 @@
 
 Why Gluon: plain Triton lays out a ``tl.dot`` whose result feeds another dot with all warps
 along M (``warpsPerTileV3`` returns ``[num_warps, 1]`` for a chained dot), so at 64 heads and
-8 warps both warpgroups compute the same 64 x BLOCK_K scores (QK^T done twice, 1.5x the
-counted forward FLOPs; the compile report marks it ``(x2 replicated)``). Here the layouts
+8 warps both warpgroups would compute the same 64 x BLOCK_K scores (QK^T done twice, 1.5x the
+counted forward FLOPs). The plain kernel now avoids that with a branch (see
+:mod:`cpkv.backends.triton.kernels`); this twin states the schedule outright. Here the layouts
 are explicit: S ``[64, BLOCK_K]`` on ``warps_per_cta [4, 2]`` (each warpgroup half of the
 entries), the output ``[64, 512]`` on ``[4, 2]`` with instruction N 256 (each warpgroup 256
 of the 512 columns), P converted to the PV dot's register operand. Q is loaded once into
@@ -16,8 +17,8 @@ It serves bf16/fp16 with ``D == d_v`` (V4: 512, no rope tail), a power of two in
 [64, 512]; everything else uses :func:`cpkv.backends.triton.kernels.sparse_fwd_kernel`, its
 plain-Triton twin with the same math. Gluon does not run under Triton's interpreter: the
 CPU tests check the twin, and ``tests/backends/test_triton_gluon.py`` a torch emulation of
-this tile schedule; ``benchmarks/gpu_check.py`` checks it on a GPU. Opt-in (the ops use it
-only with ``CPKV_TRITON_GLUON=1``) until that check has passed on hardware.
+this tile schedule; ``benchmarks/gpu_check.py`` checks and times it beside the plain kernel
+on a GPU. Opt-in (the ops use it only with ``CPKV_TRITON_GLUON=1``).
 """
 
 from triton.experimental import gluon

@@ -23,6 +23,16 @@ Layout (one program per query row ``t`` and block of ``BLOCK_H`` heads, unless s
 * ``D`` and ``DV`` are constexprs (model constants), so full-width tiles carry no channel mask.
 * Softmax in fp32, natural log; a row whose entries are all padding has ``l = 0``: LSE
   ``-inf`` without sink, out 0.
+* The forward's scores and softmax step sit in ``if K > 0:``, always true inside the K loop.
+  The branch changes no value; it is there for Triton 3.6's layout choice. A ``tl.dot`` whose
+  result reaches another dot (QK^T -> P -> PV) gets all its warps along M
+  (``warpsPerTileV3``), so at 64 heads and 8 warps both warpgroups would compute the same 64
+  rows of QK^T (1.5x the counted forward FLOPs). The compiler's dependence slice follows uses
+  of results and stops at a region's ``yield``, so values leaving the branch do not chain
+  QK^T to PV: both dots split over the two warpgroups (``warps [4, 2]``: each warpgroup half
+  the entries of S and half the output columns), and P reaches the PV product through shared
+  memory. ``benchmarks/compile_report.py`` fails on a replicated bf16 dot, so a Triton that
+  folds the branch away is caught in CI.
 """
 
 import triton
@@ -43,34 +53,52 @@ def _q_tiles(q_rows, offs_v, offs_r, mask_h, mask_v, mask_r, HAS_REST: tl.conste
 
 
 @triton.jit
-def _scores(q_v, q_r, kv_ptr, idx_row, kk, N, K, stride_kvn, offs_v, offs_r, mask_v, mask_r,
-            HAS_REST: tl.constexpr, PREC: tl.constexpr):
-    """One K step: ``(s, valid, kv_v)``, the scores ``q . kv[idx]^T`` ``[BLOCK_H, BLOCK_K]`` fp32 of entries ``kk``,
-    their mask (an entry outside ``[0, N)`` is padding: never loaded), and the gathered value tile."""
+def _kv_tile(kv_ptr, idx_row, kk, N, K, stride_kvn, offs_v, offs_r, mask_v, mask_r, HAS_REST: tl.constexpr):
+    """One K step's gather: ``(valid, kv_v, kv_r)``, the mask of entries ``kk`` (outside ``[0, N)``: padding,
+    never loaded) and the gathered tiles of their value channels and rest channels (``kv_v`` again without rest)."""
     rows = tl.load(idx_row + kk, mask=kk < K, other=-1)
     valid = (rows >= 0) & (rows < N)
     kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
     kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
-    s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
+    kv_r = kv_v
     if HAS_REST:
         kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+    return valid, kv_v, kv_r
+
+
+@triton.jit
+def _tile_scores(q_v, q_r, kv_v, kv_r, HAS_REST: tl.constexpr, PREC: tl.constexpr):
+    """The scores ``q . kv^T`` ``[BLOCK_H, BLOCK_K]`` fp32 of one gathered tile (both channel tiles)."""
+    s = tl.dot(q_v, tl.trans(kv_v), input_precision=PREC)
+    if HAS_REST:
         s += tl.dot(q_r, tl.trans(kv_r), input_precision=PREC)
-    return s, valid, kv_v
+    return s
+
+
+@triton.jit
+def _scores(q_v, q_r, kv_ptr, idx_row, kk, N, K, stride_kvn, offs_v, offs_r, mask_v, mask_r,
+            HAS_REST: tl.constexpr, PREC: tl.constexpr):
+    """One K step: ``(s, valid, kv_v)``, the scores of entries ``kk``, their mask and the gathered value tile."""
+    valid, kv_v, kv_r = _kv_tile(kv_ptr, idx_row, kk, N, K, stride_kvn, offs_v, offs_r, mask_v, mask_r, HAS_REST)
+    return _tile_scores(q_v, q_r, kv_v, kv_r, HAS_REST, PREC), valid, kv_v
 
 
 @triton.jit
 def _fwd_item(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_rows, m_rows,
-    t, hb, T, N, H, K, probs_from,
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_base, m_base,
+    t, hb, N, H, K, probs_from,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     scale,
     D: tl.constexpr, DV: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     PREC: tl.constexpr, PROBS: tl.constexpr,
 ):
-    """One (row ``t``, head block ``hb``) of the forward: out, lse, and with ``PROBS`` the KL target (see the kernels)."""
+    """One (row ``t``, head block ``hb``) of the forward: out, lse, and with ``PROBS`` the KL target (see the kernels;
+    ``probs_ptr``, ``p_base`` and ``m_base`` then point at this item's target row and scratch)."""
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_b = tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, BLOCK_K)
+    tile = offs_b[:, None] * BLOCK_K + offs_k[None, :]  # a [BLOCK_H, BLOCK_K] scratch tile
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = DV + tl.arange(0, BLOCK_R)
     mask_h = offs_h < H
@@ -83,20 +111,28 @@ def _fwd_item(
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        s, valid, kv_v = _scores(q_v, q_r, kv_ptr, idx_ptr + t * stride_it, kk, N, K, stride_kvn, offs_v, offs_r,
-                                 mask_v, mask_r, HAS_REST, PREC)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        p_lo = p.to(kv_v.dtype)
+        valid, kv_v, kv_r = _kv_tile(kv_ptr, idx_ptr + t * stride_it, kk, N, K, stride_kvn, offs_v, offs_r,
+                                     mask_v, mask_r, HAS_REST)
+        if K > 0:  # always true in this loop: the branch only ends Triton's chained-dot slice (module docstring)
+            s = tl.where(valid[None, :], _tile_scores(q_v, q_r, kv_v, kv_r, HAS_REST, PREC) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_new = l * alpha + tl.sum(p, 1)
+            p_lo = p.to(kv_v.dtype)
+            if PROBS:
+                if k0 + BLOCK_K > probs_from:  # the step's exp(s - m), as the PV product takes it, and m
+                    slot = k0 // BLOCK_K - probs_from // BLOCK_K
+                    tl.store(p_base + slot * (BLOCK_H * BLOCK_K) + tile, p_lo)
+                    tl.store(m_base + slot * BLOCK_H + offs_b, m_new)
+        else:  # never taken
+            m_new = m
+            alpha = tl.full([BLOCK_H], 1.0, tl.float32)
+            l_new = l
+            p_lo = tl.zeros([BLOCK_H, BLOCK_K], kv_v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_lo, kv_v, input_precision=PREC)
         m = m_new
-        if PROBS:
-            if k0 + BLOCK_K > probs_from:  # the step's exp(s - m), as the PV product took it, and m
-                tl.store(p_rows + kk[None, :], p_lo)
-                tl.store(m_rows + (k0 // BLOCK_K) * BLOCK_H, m_new)
+        l = l_new
     lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
     if HAS_SINK:
         sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
@@ -110,14 +146,14 @@ def _fwd_item(
     if PROBS:  # the KL target from the stored steps: no second QK^T
         tl.debug_barrier()  # every thread's scratch stores are visible to the whole program
         finite = mask_h & (lse > float("-inf"))
-        probs_row = probs_ptr + (hb * T + t) * (K - probs_from) - probs_from
         for k0 in range(probs_from // BLOCK_K * BLOCK_K, K, BLOCK_K):
             kk = k0 + offs_k
-            p_step = tl.load(p_rows + kk[None, :]).to(tl.float32)
-            m_step = tl.load(m_rows + (k0 // BLOCK_K) * BLOCK_H)
+            slot = k0 // BLOCK_K - probs_from // BLOCK_K
+            p_step = tl.load(p_base + slot * (BLOCK_H * BLOCK_K) + tile).to(tl.float32)
+            m_step = tl.load(m_base + slot * BLOCK_H + offs_b)
             weight = tl.where(finite, tl.exp(m_step - lse), 0.0)
-            tl.store(probs_row + kk, tl.sum(p_step * weight[:, None], 0), mask=(kk >= probs_from) & (kk < K))
-        tl.debug_barrier()  # the program's next item reuses the scratch rows
+            tl.store(probs_ptr + (kk - probs_from), tl.sum(p_step * weight[:, None], 0),
+                     mask=(kk >= probs_from) & (kk < K))
 
 
 @triton.jit
@@ -132,7 +168,7 @@ def sparse_fwd_kernel(
 ):
     """out[t, heads] and lse[t, heads]; grid (T, cdiv(H, BLOCK_H)). Q resident, each kv tile loaded once."""
     _fwd_item(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, lse_ptr, lse_ptr, lse_ptr,
-              tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(0), N, H, K, 0,
+              tl.program_id(0).to(tl.int64), tl.program_id(1), N, H, K, 0,
               stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, scale,
               D, DV, HAS_SINK, HAS_REST, BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, PREC, False)
 
@@ -140,7 +176,7 @@ def sparse_fwd_kernel(
 @triton.jit
 def sparse_fwd_probs_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_scratch_ptr, m_scratch_ptr,
-    T, N, H, K, probs_from,
+    N, H, K, probs_from,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     scale,
     D: tl.constexpr, DV: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REST: tl.constexpr,
@@ -149,26 +185,25 @@ def sparse_fwd_probs_kernel(
 ):
     """:func:`sparse_fwd_kernel` that also writes the KL target of the columns ``k >= probs_from``, without another QK^T.
 
-    Persistent, grid ``(P,)``: program ``p`` takes the items ``p, p + P, ...`` of the
-    ``T * cdiv(H, BLOCK_H)`` (row, head block) items. Each step's ``exp(s - m)`` (in the
-    dtype the PV product takes it) and running max ``m`` go to the program's scratch rows
-    (``p_scratch [P, BLOCK_H, K_pad]`` in q's dtype and ``m_scratch [P, steps, BLOCK_H]`` fp32,
-    L2-resident); once the row's LSE (sink included) is known,
-    ``probs[hb, t, k - probs_from] = sum_h exp(s - m) * exp(m - lse)`` for ``k >= probs_from``
-    (``[cdiv(H, BLOCK_H), T, K - probs_from]`` fp32, 0 at padding): the head-summed
-    probabilities of those entries, what ``selected_probs_kernel`` computes with a second QK^T.
+    Grid (T, cdiv(H, BLOCK_H)), as the forward. Program ``(t, hb)`` stores the ``exp(s - m)`` of
+    each step that covers a column ``>= probs_from`` (in the dtype the PV product takes it) and
+    its running max ``m`` into its own scratch (``p_scratch [T, HB, S, BLOCK_H, BLOCK_K]`` in q's
+    dtype and ``m_scratch [T, HB, S, BLOCK_H]`` fp32, ``S = cdiv(K, BLOCK_K) - probs_from //
+    BLOCK_K`` steps; only the programs in flight touch theirs, so it stays in L2); once the
+    row's LSE (sink included) is known, ``probs[t, hb, k - probs_from] = sum_h exp(s - m) *
+    exp(m - lse)`` for ``k >= probs_from`` (``[T, HB, K - probs_from]`` fp32, 0 at padding): the
+    head-summed probabilities of those entries, what ``selected_probs_kernel`` computes with a
+    second QK^T.
     """
-    pid = tl.program_id(0)
-    HB = tl.cdiv(H, BLOCK_H)
-    offs_b = tl.arange(0, BLOCK_H)
-    k_pad = tl.cdiv(K, BLOCK_K) * BLOCK_K
-    p_rows = p_scratch_ptr + (pid * BLOCK_H + offs_b).to(tl.int64)[:, None] * k_pad
-    m_rows = m_scratch_ptr + pid.to(tl.int64) * tl.cdiv(K, BLOCK_K) * BLOCK_H + offs_b
-    for item in range(pid, T * HB, tl.num_programs(0)):
-        _fwd_item(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr, p_rows, m_rows,
-                  (item // HB).to(tl.int64), item % HB, T, N, H, K, probs_from,
-                  stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, scale,
-                  D, DV, HAS_SINK, HAS_REST, BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, PREC, True)
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    item = t * tl.num_programs(1) + hb
+    steps = tl.cdiv(K, BLOCK_K) - probs_from // BLOCK_K
+    _fwd_item(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, probs_ptr + item * (K - probs_from),
+              p_scratch_ptr + item * steps * (BLOCK_H * BLOCK_K), m_scratch_ptr + item * steps * BLOCK_H,
+              t, hb, N, H, K, probs_from,
+              stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh, scale,
+              D, DV, HAS_SINK, HAS_REST, BLOCK_H, BLOCK_K, BLOCK_V, BLOCK_R, PREC, True)
 
 
 @triton.jit

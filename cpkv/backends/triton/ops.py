@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 NEG_INF = float("-inf")
-META_SMS = 132  # SMs of a meta-tensor (compile-only) launch: an H100/H200's
 
 
 @dataclass(frozen=True)
@@ -101,8 +100,6 @@ def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
         return _Tiles(h, 32, v, r, 64, 4, 1)
     if kernel == "bwd_dq":
         return _Tiles(h, 64, v, r, 64, 8, 1)
-    if kernel == "fwd_probs":  # the scratch stores' addresses need registers: 32 entries a step (64 spill)
-        return _Tiles(h, 32, v, r, 64, 8, 2)
     if kernel == "bwd_dkv":  # 128 entries a step, split over the two warpgroups: half the Q/dO chunk re-reads of 64
         return _Tiles(h, 128, v, r, 64, 8, 1)
     return _Tiles(h, 64, v, r, 64, 8, 2)
@@ -164,48 +161,48 @@ def _fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: T
     return _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
 
 
-def _probs_programs(device: torch.device, items: int) -> int:
-    """Persistent programs of the forward with the KL target: two per SM on CUDA (a cached host attribute), else one per item."""
-    if device.type == "cuda":
-        return max(1, min(items, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(items, 2 * META_SMS if device.type == "meta" else items))
-
-
 def _plain_fwd_launch(q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, out: Tensor, lse: Tensor,
                       scale: float, d_v: int, probs: Tensor | None = None, probs_from: int = 0) -> KernelLaunch:
     """The plain-Triton forward (:func:`~cpkv.backends.triton.kernels.sparse_fwd_kernel`, grid (T, head blocks)).
 
-    With ``probs`` (``[cdiv(H, BLOCK_H), T, K - probs_from]`` fp32): ``sparse_fwd_probs_kernel``,
-    which also writes the KL target of the columns ``>= probs_from``, on persistent programs
-    with L2 scratch rows.
+    With ``probs`` (``[T, cdiv(H, BLOCK_H), K - probs_from]`` fp32): ``sparse_fwd_probs_kernel``,
+    which also writes the KL target of the columns ``>= probs_from``, with each program's steps in
+    its own scratch (allocated here for q's rows: callers chunk the rows, :func:`_launch_fwd`).
     """
     (num_q, heads, dim), width = q.shape, idx.shape[1]
     b = _tiles("fwd" if probs is None else "fwd_probs", q, d_v)
     strides = (q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1))
     constexprs = {**_channel_constexprs(b, dim, d_v, q), "HAS_SINK": sinks is not None}
     sink_arg = sinks if sinks is not None else lse
+    grid = (num_q, triton_cdiv(heads, b.h))
     if probs is None:
         return KernelLaunch(
-            "sparse_fwd", _kernels().sparse_fwd_kernel, (num_q, triton_cdiv(heads, b.h)),
+            "sparse_fwd", _kernels().sparse_fwd_kernel, grid,
             (q, kv, idx, sink_arg, out, lse, kv.shape[0], heads, width, *strides, scale), constexprs, b.warps, b.stages,
         )
-    programs = _probs_programs(q.device, num_q * triton_cdiv(heads, b.h))
-    steps = triton_cdiv(width, b.k)
-    p_scratch = torch.empty((programs, b.h, steps * b.k), dtype=q.dtype, device=q.device)
-    m_scratch = torch.empty((programs, steps, b.h), dtype=torch.float32, device=q.device)
+    steps = triton_cdiv(width, b.k) - probs_from // b.k
+    p_scratch = torch.empty((*grid, steps, b.h, b.k), dtype=q.dtype, device=q.device)
+    m_scratch = torch.empty((*grid, steps, b.h), dtype=torch.float32, device=q.device)
     return KernelLaunch(
-        "sparse_fwd_probs", _kernels().sparse_fwd_probs_kernel, (programs,),
-        (q, kv, idx, sink_arg, out, lse, probs, p_scratch, m_scratch, num_q, kv.shape[0], heads, width, probs_from,
+        "sparse_fwd_probs", _kernels().sparse_fwd_probs_kernel, grid,
+        (q, kv, idx, sink_arg, out, lse, probs, p_scratch, m_scratch, kv.shape[0], heads, width, probs_from,
          *strides, scale), constexprs, b.warps, b.stages,
     )
+
+
+def _probs_scratch_bytes(q: Tensor, width: int, d_v: int, probs_from: int) -> int:
+    """Scratch bytes of one query row of ``sparse_fwd_probs_kernel`` (all its head blocks)."""
+    b = _tiles("fwd_probs", q, d_v)
+    steps = triton_cdiv(width, b.k) - probs_from // b.k
+    return triton_cdiv(q.shape[1], b.h) * steps * b.h * (b.k * q.element_size() + 4)
 
 
 def _launch_fwd(
     q: Tensor, kv: Tensor, idx: Tensor, sinks: Tensor | None, scale: float, d_v: int, probs_from: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, probs)``: the forward, and with ``probs_from`` the head-summed probabilities of the columns
-    ``>= probs_from`` (``[T, K - probs_from]`` fp32) from the same launch (the plain kernel; no Gluon);
-    without it ``probs`` is ``[T, 0]``."""
+    ``>= probs_from`` (``[T, K - probs_from]`` fp32) from the same kernel (the plain one; no Gluon), launched
+    per chunk of query rows whose scratch fits 512 MiB (64 MiB on CPU); without it ``probs`` is ``[T, 0]``."""
     num_q, heads = q.shape[:2]
     out = q.new_zeros((num_q, heads, d_v))
     if sinks is None:
@@ -218,10 +215,14 @@ def _launch_fwd(
             _fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)()
         return out, lse, lse.new_zeros((num_q, 0))
     blocks = triton_cdiv(heads, _tiles("fwd_probs", q, d_v).h)
-    parts = torch.zeros((blocks, num_q, width - probs_from), dtype=torch.float32, device=q.device)
+    parts = torch.zeros((num_q, blocks, width - probs_from), dtype=torch.float32, device=q.device)
     if num_q and width:
-        _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v, parts, probs_from)()
-    return out, lse, parts.sum(0) if blocks > 1 else parts[0]
+        rows = _chunk_rows(num_q, _probs_scratch_bytes(q, width, d_v, probs_from), q.device, 512 << 20)
+        for t0 in range(0, num_q, rows):
+            t1 = min(num_q, t0 + rows)
+            _plain_fwd_launch(q[t0:t1], kv, idx[t0:t1], sinks, out[t0:t1], lse[t0:t1], scale, d_v, parts[t0:t1],
+                              probs_from)()
+    return out, lse, parts.sum(1) if blocks > 1 else parts[:, 0]
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -341,9 +342,9 @@ def _reduce_launch(partials: Tensor, pairs: Tensor, row_ptr: Tensor, dkv: Tensor
     )
 
 
-def _chunk_rows(num_q: int, row_bytes: int, device: torch.device) -> int:
-    """Query rows per backward chunk: their buffers (``row_bytes`` each) stay within 2 GiB (GPU; 64 MiB on CPU)."""
-    budget = (2 << 30) if device.type != "cpu" else (64 << 20)
+def _chunk_rows(num_q: int, row_bytes: int, device: torch.device, budget: int = 2 << 30) -> int:
+    """Query rows per chunk: their buffers (``row_bytes`` each) stay within ``budget`` bytes (2 GiB; 64 MiB on CPU)."""
+    budget = budget if device.type != "cpu" else min(budget, 64 << 20)
     return max(1, min(num_q, budget // max(1, row_bytes)))
 
 
@@ -554,7 +555,7 @@ def aot_launches(case: AOTCase) -> list[KernelLaunch]:
     triton_fwd = fwd if fwd.name == "sparse_fwd" else _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v)
     window = min(128, width)  # V4's window columns come first; the target covers the compressed entries
     fwd_blocks = triton_cdiv(heads, _tiles("fwd_probs", q, d_v).h)
-    probs = torch.empty((fwd_blocks, num_q, width - window), dtype=f32, device=meta)
+    probs = torch.empty((num_q, fwd_blocks, width - window), dtype=f32, device=meta)
     return [*([gluon] if gluon is not None else []), triton_fwd,
         _plain_fwd_launch(q, kv, idx, sinks, out, lse, scale, d_v, probs, window),
         *_bwd_launches(out, q, kv, idx, lse, lse, dq, p, p, dkv, scale, d_v, True),
