@@ -74,6 +74,8 @@ def test_aot_launches_take_gpu_tiles_on_meta_tensors() -> None:
     assert all(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in fwd.args if isinstance(a, torch.Tensor))
     pro = ops.aot_launches(AOTCase("V4-Pro bf16", torch.bfloat16, 8, 16, 128, 512, 512, 1152, 64, 128, 1024, 16))
     assert pro[0].grid == (8, 2)  # 128 heads: two programs of 64 per query row
+    dkv = {launch.name: launch for launch in pro}["sparse_bwd_dkv_partials"]
+    assert dkv.grid[1] == 1 and dkv.constexprs["BLOCK_H"] == 128  # the dkv terms summed over all 128 heads
 
 
 def test_aot_launches_reject_bad_cases() -> None:

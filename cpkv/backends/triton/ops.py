@@ -84,7 +84,9 @@ def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
     registers a thread); the backward's ``P``/``dS`` pass runs on one warpgroup (4 warps), so
     its S and dP dots are not computed twice, with 32-entry kv tiles (Q, dO and a tile share
     the shared memory); the dkv pass builds 64-channel chunks of 128 entries a step, the
-    entries split over two warpgroups. fp32 (IEEE, no tensor cores) takes smaller tiles. On CPU (the interpreter:
+    entries split over two warpgroups, with up to 128 heads a program (the heads are its dots'
+    inner dimension, so V4-Pro's terms are summed over all its heads before they are added or
+    stored: half the atomics, or half the stored terms, of two head blocks). fp32 (IEEE, no tensor cores) takes smaller tiles. On CPU (the interpreter:
     numpy per tile op) tiles are as large as the shapes, so there are few steps.
     """
     heads, dim = q.shape[1], q.shape[2]
@@ -100,8 +102,8 @@ def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
         return _Tiles(h, 32, v, r, 64, 4, 1)
     if kernel == "bwd_dq":
         return _Tiles(h, 64, v, r, 64, 8, 1)
-    if kernel == "bwd_dkv":  # 128 entries a step, split over the two warpgroups: half the Q/dO chunk re-reads of 64
-        return _Tiles(h, 128, v, r, 64, 8, 1)
+    if kernel == "bwd_dkv":  # up to 128 heads (the dots' inner dimension); 128 entries a step over the two warpgroups
+        return _Tiles(min(128, _pow2(heads)), 128, v, r, 64, 8, 1)
     return _Tiles(h, 64, v, r, 64, 8, 2)
 
 
