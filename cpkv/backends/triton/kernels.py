@@ -281,14 +281,11 @@ def sparse_bwd_dq_kernel(
     ds_rows = ds_ptr + (t * H + offs_h).to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        rows = tl.load(idx_ptr + t * stride_it + kk, mask=kk < K, other=-1)
-        valid = (rows >= 0) & (rows < N)
-        kv_rows = kv_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_kvn
-        kv_v = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
+        valid, kv_v, kv_r = _kv_tile(kv_ptr, idx_ptr + t * stride_it, kk, N, K, stride_kvn, offs_v, offs_r,
+                                     mask_v, mask_r, HAS_REST)
         ds = tl.load(ds_rows + kk[None, :], mask=mask_h[:, None] & valid[None, :], other=0.0).to(kv_v.dtype)
         dq_v += tl.dot(ds, kv_v, input_precision=PREC)
         if HAS_REST:
-            kv_r = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
             dq_r += tl.dot(ds, kv_r, input_precision=PREC)
     dq_rows = dq_ptr + t * H * D + offs_h[:, None] * D
     tl.store(dq_rows + offs_v[None, :], dq_v, mask=mask_h[:, None] & mask_v[None, :])
