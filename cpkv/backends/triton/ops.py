@@ -77,7 +77,8 @@ def _pow2(n: int, low: int = 16) -> int:
 
 
 def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
-    """The tiles of ``kernel`` (``"fwd"``, ``"bwd_ds"``, ``"bwd_dq"``, ``"bwd_dkv"``, ``"probs"``) for q's shape, dtype and device.
+    """The tiles of ``kernel`` (``"fwd"``, ``"fwd_probs"``, ``"bwd_ds"``, ``"bwd_dq"``, ``"bwd_dkv"``, ``"probs"``)
+    for q's shape, dtype and device.
 
     GPU (Hopper): 64 heads per program (V4-Flash's 64 in one, V4-Pro's 128 in two). The
     forward and dq put their ``[64, 512]`` fp32 accumulator over 8 warps (two warpgroups, 128
@@ -86,8 +87,10 @@ def _tiles(kernel: str, q: Tensor, d_v: int) -> _Tiles:
     the shared memory); the dkv pass builds 64-channel chunks of 128 entries a step, the
     entries split over two warpgroups, with up to 128 heads a program (the heads are its dots'
     inner dimension, so V4-Pro's terms are summed over all its heads before they are added or
-    stored: half the atomics, or half the stored terms, of two head blocks). fp32 (IEEE, no tensor cores) takes smaller tiles. On CPU (the interpreter:
-    numpy per tile op) tiles are as large as the shapes, so there are few steps.
+    stored: half the atomics, or half the stored terms, of two head blocks); the forward with
+    the KL target (``"fwd_probs"``) takes the forward's tiles. fp32 (IEEE, no tensor cores)
+    takes smaller tiles. On CPU (the interpreter: numpy per tile op) tiles are as large as the
+    shapes, so there are few steps.
     """
     heads, dim = q.shape[1], q.shape[2]
     v, r = _pow2(d_v), _pow2(dim - d_v)
