@@ -42,6 +42,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_offsets(hb, H, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A program's offsets and masks: ``(offs_h, offs_k, offs_v, offs_r, mask_h, mask_v, mask_r)``, the heads of
+    block ``hb``, the entries of one K step, the value channels ``[0, DV)`` and the rest ``[DV, D)``."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = DV + tl.arange(0, BLOCK_R)
+    return offs_h, offs_k, offs_v, offs_r, offs_h < H, offs_v < DV, offs_r < D
+
+
+@triton.jit
 def _q_tiles(q_rows, offs_v, offs_r, mask_h, mask_v, mask_r, HAS_REST: tl.constexpr):
     """The resident Q tiles of a head block: the value channels ``[0, DV)`` and the rest ``[DV, D)``
     (``q_v`` again as a never-read placeholder without rest channels)."""
@@ -95,15 +107,10 @@ def _fwd_item(
 ):
     """One (row ``t``, head block ``hb``) of the forward: out, lse, and with ``PROBS`` the KL target (see the kernels;
     ``probs_ptr``, ``p_base`` and ``m_base`` then point at this item's target row and scratch)."""
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h, offs_k, offs_v, offs_r, mask_h, mask_v, mask_r = _block_offsets(hb, H, D, DV, BLOCK_H, BLOCK_K, BLOCK_V,
+                                                                            BLOCK_R)
     offs_b = tl.arange(0, BLOCK_H)
-    offs_k = tl.arange(0, BLOCK_K)
     tile = offs_b[:, None] * BLOCK_K + offs_k[None, :]  # a [BLOCK_H, BLOCK_K] scratch tile
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_r = DV + tl.arange(0, BLOCK_R)
-    mask_h = offs_h < H
-    mask_v = offs_v < DV
-    mask_r = offs_r < D
     q_v, q_r = _q_tiles(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, offs_v, offs_r, mask_h, mask_v, mask_r,
                         HAS_REST)
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -225,13 +232,8 @@ def sparse_bwd_ds_kernel(
     (what the next passes' MMAs take; fp32 stays fp32), 0 at padding.
     """
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_r = DV + tl.arange(0, BLOCK_R)
-    mask_h = offs_h < H
-    mask_v = offs_v < DV
-    mask_r = offs_r < D
+    offs_h, offs_k, offs_v, offs_r, mask_h, mask_v, mask_r = _block_offsets(tl.program_id(1), H, D, DV, BLOCK_H, BLOCK_K,
+                                                                            BLOCK_V, BLOCK_R)
     q_v, q_r = _q_tiles(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, offs_v, offs_r, mask_h, mask_v, mask_r,
                         HAS_REST)
     do_v = tl.load(do_ptr + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :],
@@ -268,13 +270,8 @@ def sparse_bwd_dq_kernel(
     splits over the warps along the channels.
     """
     t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_r = DV + tl.arange(0, BLOCK_R)
-    mask_h = offs_h < H
-    mask_v = offs_v < DV
-    mask_r = offs_r < D
+    offs_h, offs_k, offs_v, offs_r, mask_h, mask_v, mask_r = _block_offsets(tl.program_id(1), H, D, DV, BLOCK_H, BLOCK_K,
+                                                                            BLOCK_V, BLOCK_R)
     dq_v = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     if HAS_REST:
         dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -404,13 +401,8 @@ def selected_probs_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_r = DV + tl.arange(0, BLOCK_R)
-    mask_h = offs_h < H
-    mask_v = offs_v < DV
-    mask_r = offs_r < D
+    offs_h, offs_k, offs_v, offs_r, mask_h, mask_v, mask_r = _block_offsets(hb, H, D, DV, BLOCK_H, BLOCK_K,
+                                                                            BLOCK_V, BLOCK_R)
     q_v, q_r = _q_tiles(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh, offs_v, offs_r, mask_h, mask_v, mask_r,
                         HAS_REST)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=0.0)
