@@ -250,8 +250,16 @@ def check_group_position(group: Group, cp_size: int, cp_rank: int) -> None:
         raise ValueError(f"cp_size={cp_size}, cp_rank={cp_rank} do not match the group (size {size}, this rank {rank})")
 
 
+def check_fingerprint(fingerprint: object) -> None:
+    """Raise ``TypeError`` unless ``fingerprint`` is ``None`` or a 1-D int64 tensor (:func:`check_same_on_all_ranks`)."""
+    if fingerprint is not None and (not isinstance(fingerprint, Tensor) or fingerprint.dtype != torch.int64 or fingerprint.ndim != 1):
+        got = f"{fingerprint.dtype} {tuple(fingerprint.shape)}" if isinstance(fingerprint, Tensor) else type(fingerprint).__name__
+        raise TypeError(f"fingerprint must be a 1-D int64 tensor (e.g. batch_fingerprint(ids, labels)), got {got}")
+
+
 def check_same_on_all_ranks(
-    cu_seqlens: Tensor, group: Group, *, options: Sequence[int] = (), device: torch.device | str | None = None
+    cu_seqlens: Tensor, group: Group, *, options: Sequence[int] = (), device: torch.device | str | None = None,
+    fingerprint: Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold the same ``cu_seqlens`` and ``options``.
 
@@ -268,6 +276,10 @@ def check_same_on_all_ranks(
         group: the CP group.
         options: further integers that must agree (the plan's options).
         device: where the all-reduces run (NCCL needs ``"cuda"``); default ``cu_seqlens.device``.
+        fingerprint: ``[n]`` int64 further values that must agree, compared in the same
+            all-reduces without a host read of their own (e.g.
+            :func:`cpkv.integrations.causal_lm.batch_fingerprint` of the batch's token ids and
+            labels); a difference is reported as the batch's token ids or labels.
 
     Raises:
         TypeError: ``cu_seqlens`` is not an integer tensor, ``group`` not a process group.
@@ -281,8 +293,11 @@ def check_same_on_all_ranks(
     if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu_seqlens.dtype}")
     where = device or cu_seqlens.device
+    check_fingerprint(fingerprint)
+    extra = [] if fingerprint is None else [fingerprint.detach().to(where)]
     values = torch.cat([
-        cu_seqlens.detach().to(where, torch.int64).flatten(), torch.tensor(list(options), dtype=torch.int64, device=where)
+        cu_seqlens.detach().to(where, torch.int64).flatten(), torch.tensor(list(options), dtype=torch.int64, device=where),
+        *extra,
     ])
     sizes = torch.tensor([values.numel(), -values.numel()], dtype=torch.int64, device=where)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
@@ -298,6 +313,12 @@ def check_same_on_all_ranks(
     differ = torch.nonzero(high != low).flatten()
     if differ.numel():
         first = int(differ[0])
+        compared = cu_seqlens.numel() + len(options)
+        if first >= compared:
+            raise ValueError(
+                f"the batch's token ids or labels differ between the ranks of the group (fingerprint entry"
+                f" {first - compared} differs): every rank must pass the same whole packed batch"
+            )
         what = f"cu_seqlens[{first}]" if first < cu_seqlens.numel() else f"plan option {first - cu_seqlens.numel()}"
         raise ValueError(
             f"cu_seqlens (and plan options) differ between the ranks of the group: {what} ranges over"

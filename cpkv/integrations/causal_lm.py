@@ -34,14 +34,16 @@ from torch import Tensor
 from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
 from cpkv.collectives import Group, check_group
 from cpkv.plan.attention import AttentionPlan
-from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.plan.conventions import document_real_lengths, validate_cu_seqlens
 
 __all__ = [
     "GradReduction",
+    "batch_fingerprint",
     "causal_lm_loss",
     "cu_seqlens_from_position_ids",
     "global_valid_count",
     "grad_reduction_scale",
+    "padding_mask",
     "shard_by_plan",
     "shift_labels",
 ]
@@ -105,7 +107,7 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
     return cu.to(positions.device)
 
 
-def shift_labels(labels: Tensor, cu_seqlens: Tensor, *, ignore_index: int = -100) -> Tensor:
+def shift_labels(labels: Tensor, cu_seqlens: Tensor, *, ignore_index: int = -100, padding: Tensor | None = None) -> Tensor:
     """Next-token labels of a packed batch, shifted within each document (before sharding).
 
     ``shifted[t] = labels[t + 1]`` when ``t + 1`` is in ``t``'s document, else ``ignore_index``
@@ -113,17 +115,24 @@ def shift_labels(labels: Tensor, cu_seqlens: Tensor, *, ignore_index: int = -100
     token). ``labels`` follow Hugging Face's convention: unshifted, ``labels[t]`` is token
     ``t``'s own id (or ``ignore_index``), e.g. the input ids.
 
+    With ``padding`` (documents padded at their ends, e.g. by :func:`cpkv.pad_documents`) the
+    padding tokens are no targets whatever ``labels`` holds there: they and the last real token
+    of each document get ``ignore_index``, so the valid labels are exactly the unpadded batch's.
+
     Args:
         labels: ``[T]`` or ``[1, T]`` integer labels of the whole packed batch (all ranks' tokens).
         cu_seqlens: ``[B + 1]`` leading-zero cu_seqlens of the batch, last entry ``T``.
         ignore_index: the label of tokens without a target.
+        padding: ``[B]`` int tensor: the padding tokens at the end of each document of
+            ``cu_seqlens``; default ``None`` (every token is real).
 
     Returns:
         ``[T]`` the shifted labels, ``labels``' dtype and device.
 
     Raises:
         TypeError, ValueError: not an integer ``[T]`` / ``[1, T]`` tensor, invalid
-            ``cu_seqlens`` or one that does not end at ``T``.
+            ``cu_seqlens``, ``labels`` of another length than ``cu_seqlens[-1]`` (both named),
+            ``padding`` not ``[B]`` or outside ``[0, document length]``.
 
     Example:
         >>> shift_labels(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 3, 5])).tolist()
@@ -131,11 +140,79 @@ def shift_labels(labels: Tensor, cu_seqlens: Tensor, *, ignore_index: int = -100
     """
     flat = _tokens("labels", labels)
     check_int("ignore_index", ignore_index)
-    validate_cu_seqlens(cu_seqlens, num_tokens=flat.shape[0])
+    validate_cu_seqlens(cu_seqlens)
+    if int(cu_seqlens[-1]) != flat.shape[0]:
+        raise ValueError(f"labels must hold the batch's {int(cu_seqlens[-1])} tokens (cu_seqlens[-1]), got {flat.shape[0]}")
+    if padding is not None:
+        flat = flat.masked_fill(padding_mask(cu_seqlens, padding).to(flat.device), ignore_index)
     shifted = torch.cat([flat[1:], flat.new_full((1,), ignore_index)]) if flat.numel() else flat.clone()
     ends = cu_seqlens[1:].to(flat.device).long()
     ends = ends[ends > cu_seqlens[:-1].to(flat.device).long()] - 1  # last token of each non-empty document
     return shifted.index_fill(0, ends, ignore_index)
+
+
+def padding_mask(cu_seqlens: Tensor, padding: Tensor) -> Tensor:
+    """``[T]`` bool, ``True`` at the padding tokens of a batch padded at its documents' ends.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` leading-zero cu_seqlens of the padded batch.
+        padding: ``[B]`` int tensor, the padding tokens at the end of each document.
+
+    Returns:
+        ``[T]`` bool on ``cu_seqlens.device``.
+
+    Raises:
+        TypeError, ValueError: invalid ``cu_seqlens``; ``padding`` not ``[B]`` or outside
+            ``[0, document length]`` (:func:`cpkv.plan.conventions.document_real_lengths`).
+
+    Example:
+        >>> padding_mask(torch.tensor([0, 4, 7]), torch.tensor([1, 2])).tolist()
+        [False, False, False, True, False, True, True]
+    """
+    validate_cu_seqlens(cu_seqlens)
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    real_end = cu[:-1] + document_real_lengths(cu, padding)
+    per_token = torch.repeat_interleave(real_end, cu.diff())
+    return (torch.arange(int(cu[-1])) >= per_token).to(cu_seqlens.device)
+
+
+_FINGERPRINT_PRIME = 2**31 - 1
+
+
+def batch_fingerprint(*tensors: Tensor) -> Tensor:
+    """Two int64 sums of each tensor's values, cheap to compare across ranks (no host sync).
+
+    For each tensor ``x`` (flattened, integer values ``v_t = x_t mod p``, ``p = 2^31 - 1``) the
+    sums ``sum_t v_t (t + 1) mod p`` and ``sum_t v_t (t + 1)^2 mod p``. Two tensors of the same
+    length that differ in one or two entries always give other sums (``p`` is prime and the
+    weights are distinct and nonzero below ``p``; two changes would solve a nonsingular 2x2
+    system mod ``p``); more changes collide only by coincidence. Fold it into
+    :func:`cpkv.plan_attention`'s ``fingerprint`` to have every rank raise when any rank's
+    token ids or labels differ.
+
+    Args:
+        tensors: integer tensors of fewer than ``2^31 - 1`` entries each, on one device.
+
+    Returns:
+        ``[2 * len(tensors)]`` int64 on the tensors' device (CPU when none is given).
+
+    Raises:
+        TypeError: a tensor that is not an integer tensor. ValueError: too many entries.
+
+    Example:
+        >>> batch_fingerprint(torch.tensor([1, 2])).tolist()
+        [5, 9]
+    """
+    sums = []
+    for i, x in enumerate(tensors):
+        check_int_dtype(f"tensors[{i}]", check_tensor(f"tensors[{i}]", x))
+        if x.numel() >= _FINGERPRINT_PRIME:
+            raise ValueError(f"tensors[{i}] must hold fewer than 2^31 - 1 entries, got {x.numel()}")
+        values = x.detach().reshape(-1).long().remainder(_FINGERPRINT_PRIME)
+        weight = torch.arange(1, values.numel() + 1, device=values.device, dtype=torch.int64)
+        for w in (weight, weight * weight % _FINGERPRINT_PRIME):  # each product < 2^62; each sum < 2^62
+            sums.append((values * w % _FINGERPRINT_PRIME).sum() % _FINGERPRINT_PRIME)
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
 def shard_by_plan(x: Tensor, cu_seqlens: Tensor, plan: AttentionPlan, *, dim: int = 0) -> Tensor:

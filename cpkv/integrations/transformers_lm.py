@@ -32,9 +32,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpkv.backends.base import AttentionBackend, BackendName
+from cpkv.agreement import agree
 from cpkv.collectives import Group, check_group
 from cpkv.integrations.causal_lm import (
     GradReduction,
+    batch_fingerprint,
     causal_lm_loss,
     cu_seqlens_from_position_ids,
     global_valid_count,
@@ -239,12 +241,15 @@ def deepseek_v4_causal_lm_loss(
     exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
     num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
     grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
+    padding: Tensor | None = None,
 ) -> DeepseekV4CausalLMOutput:
     """One micro-batch of a CP-enabled ``DeepseekV4ForCausalLM``: the whole packed batch in, this rank's loss out.
 
-    Every rank of the CP group passes the same packed batch. The call plans it
-    (:func:`cpkv.plan_attention` with ``group=``: every rank raises when any rank's batch
-    differs), shifts the labels within each document on the whole batch, shards ids and
+    Every rank of the CP group passes the same packed batch. The call checks its arguments
+    and agrees on the outcome with the group (a rank's bad argument raises on every rank),
+    plans the batch (:func:`cpkv.plan_attention` with ``group=``; with ``check_ranks`` every
+    rank raises when any rank's ``cu_seqlens``, ``padding``, token ids or labels differ:
+    :func:`~cpkv.integrations.causal_lm.batch_fingerprint`), shifts the labels within each document on the whole batch, shards ids and
     labels by the plan, runs ``model`` on this rank's tokens (positions ``plan.q_positions``,
     no mask, no cache) and returns this rank's loss: ``scale * sum of its tokens' CE / N``
     (:func:`cpkv.integrations.causal_lm.causal_lm_loss`). After ``loss.backward()`` the
@@ -265,8 +270,8 @@ def deepseek_v4_causal_lm_loss(
         labels: ``[T]`` / ``[1, T]`` unshifted labels (Hugging Face's convention, ``ignore_index``
             where a token is no target); default ``input_ids``.
         layout, exchange: as in :func:`cpkv.plan_attention`. Zigzag needs every document
-            length to be a multiple of ``2 * cp`` (pad with :func:`cpkv.pad_documents` and
-            give the padding ``ignore_index`` labels).
+            length to be a multiple of ``2 * cp``: pad with :func:`cpkv.pad_documents` and
+            pass its ``padding`` (below).
         grad_reduction: ``"sum"`` if you all-reduce (SUM) the gradients over the CP group,
             ``"mean"`` if DDP / FSDP averages them (over a data x CP mesh): the loss and the
             indexer's ``grad_scale`` are then multiplied by the CP size.
@@ -275,15 +280,23 @@ def deepseek_v4_causal_lm_loss(
         ignore_index: the label of tokens without a target.
         indexer_loss, grad_scale, backend: as in
             :func:`~cpkv.integrations.transformers.deepseek_v4_attention`.
-        check_ranks: compare the ranks' batches in the plan (two small all-reduces).
+        check_ranks: compare the ranks' batches in the plan (``cu_seqlens``, options, padding
+            and a fingerprint of the ids and labels: two small all-reduces and a host read).
+        padding: ``[B]`` int tensor: the padding tokens at the end of each document of the
+            (padded) batch, e.g. ``pad_documents(ids[:, None], cu_seqlens, 2 * cp).padding``;
+            default ``None`` (every token is real). Padding tokens are no targets whatever
+            ``labels`` holds there (nor is the last real token of a document), and they are
+            no indexer queries (``plan.num_global_queries`` counts real tokens): loss, logged
+            losses and every gradient equal the unpadded batch's.
 
     Returns:
         :class:`DeepseekV4CausalLMOutput`.
 
     Raises:
-        TypeError, ValueError: malformed ids, labels, boundaries or options (from the plan
-            and the loss); a model without :func:`enable_deepseek_v4_cp` (raised after the
-            forward, which then ran Hugging Face's attention on the shard alone).
+        TypeError, ValueError: malformed ids, labels (another length than ``input_ids``),
+            boundaries, padding or options, on every rank when any rank's are; ranks whose
+            batches differ (``check_ranks``); a model without :func:`enable_deepseek_v4_cp`
+            (raised after the forward, which then ran Hugging Face's attention on the shard alone).
 
     Example:
         >>> out = deepseek_v4_causal_lm_loss(model, input_ids, cp_group, cu_seqlens=cu_seqlens)  # doctest: +SKIP
@@ -291,14 +304,23 @@ def deepseek_v4_causal_lm_loss(
     """
     config = _config(model)
     check_group("group", group)
-    ids = _flat_ids("input_ids", input_ids)
-    cu = _cu_seqlens(ids, cu_seqlens, position_ids)
-    scale = grad_reduction_scale(grad_reduction, group)
+    try:  # every rank learns of a bad argument on any rank, before the plan's collectives
+        ids = _flat_ids("input_ids", input_ids)
+        cu = _cu_seqlens(ids, cu_seqlens, position_ids)
+        targets = ids if labels is None else _flat_ids("labels", labels)
+        if targets.numel() != ids.numel():
+            raise ValueError(f"labels must hold input_ids' {ids.numel()} tokens, got {targets.numel()}")
+        shifted = shift_labels(targets, cu, ignore_index=ignore_index, padding=padding)
+        scale = grad_reduction_scale(grad_reduction, group)
+    except Exception as error:  # noqa: BLE001 - agreed, then raised
+        agree(error, group)
+        raise
+    agree(None, group)
     plan = plan_attention(
         cu, dist.get_world_size(group), dist.get_rank(group), layout=layout, exchange=exchange,
-        group=dist.group.WORLD if group is None else group, check_ranks=check_ranks, **deepseek_v4_plan_options(config),
+        group=dist.group.WORLD if group is None else group, check_ranks=check_ranks, padding=padding,
+        fingerprint=batch_fingerprint(ids, shifted) if check_ranks else None, **deepseek_v4_plan_options(config),
     )
-    shifted = shift_labels(ids if labels is None else labels, cu, ignore_index=ignore_index)
     ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
     context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale)
     output = model(

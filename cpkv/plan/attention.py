@@ -23,9 +23,9 @@ from torch.distributed import ProcessGroup
 
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
 from cpkv.agreement import agree
-from cpkv.collectives import check_group, check_group_position, check_same_on_all_ranks
+from cpkv.collectives import check_fingerprint, check_group, check_group_position, check_same_on_all_ranks
 from cpkv.plan.balance import CostModel, balanced_layout
-from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.plan.conventions import document_real_lengths, validate_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, contiguous_layout, expand_ranges, zigzag_layout
 from cpkv.plan.need import Partition, compressed_need, kv_need, token_partition
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
@@ -225,6 +225,7 @@ def plan_attention(
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
     prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
     check_ranks: bool = True, padding: Tensor | None = None, cost_model: CostModel | None = None,
+    fingerprint: Tensor | None = None,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
@@ -279,6 +280,10 @@ def plan_attention(
             marks the real local rows and ``plan.num_global_queries`` counts real tokens only.
         cost_model: ``layout="balanced"``: the :class:`~cpkv.plan.balance.CostModel` to balance
             (default: DeepSeek-V4-Flash's layer stack).
+        fingerprint: with ``group`` and ``check_ranks``: ``[n]`` int64 values every rank must
+            hold too, compared in the same all-reduces as ``cu_seqlens`` (e.g.
+            :func:`cpkv.integrations.causal_lm.batch_fingerprint` of the batch's token ids and
+            labels, so a rank with another token raises on every rank). Ignored without a group.
 
     Returns:
         :class:`AttentionPlan`.
@@ -310,6 +315,7 @@ def plan_attention(
     check_group("group", group)
     try:
         check_group_position(group, cp_size, cp_rank)
+        check_fingerprint(fingerprint)
         plan = build()
     except Exception as error:  # noqa: BLE001 - every rank learns of it, then raises
         agree(error, group)
@@ -317,7 +323,7 @@ def plan_attention(
     agree(None, group)
     if check_ranks:
         padded = [] if padding is None else [-7, *padding.detach().to("cpu", torch.int64).tolist()]
-        check_same_on_all_ranks(cu_seqlens, group, options=[*_options(plan), *padded])
+        check_same_on_all_ranks(cu_seqlens, group, options=[*_options(plan), *padded], fingerprint=fingerprint)
     return plan
 
 
@@ -365,7 +371,7 @@ def _build_plan(
     ratios = tuple(r for r in _int_sequence("compress_ratios", compress_ratios, minimum=2) if r is not None)
     planned_windows = _int_sequence("windows", windows, minimum=1, allow_none=True)
     reach = _prev_blocks(ratios, prev_blocks)
-    real_lengths = _real_lengths(cu_seqlens, padding)
+    real_lengths = None if padding is None else document_real_lengths(cu_seqlens, padding)
     shards = shard_layout(cu_seqlens, cp_size, layout, cost_model)
     name: LayoutName = "custom" if isinstance(layout, ShardLayout) else layout
     num_tokens, local_len, gather_len = int(cu_seqlens[-1]), shards.local_lens[cp_rank], max(shards.local_lens)
@@ -419,28 +425,6 @@ def _on(source: KVSource, device: torch.device) -> KVSource:
     rounds = tuple(replace(r, ranges=replace(r.ranges, lo=r.ranges.lo.to(device), hi=r.ranges.hi.to(device)))
                    for r in source.rounds)
     return replace(source, segments=_to_device(source.segments, device), rounds=rounds)
-
-
-def _real_lengths(cu_seqlens: Tensor, padding: Tensor | None) -> Tensor | None:
-    """``[B]`` int64 (CPU) real length of every document: its length less ``padding``; ``None`` without padding."""
-    if padding is None:
-        return None
-    check_int_dtype("padding", check_tensor("padding", padding))
-    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
-    if padding.shape != lengths.shape:
-        raise ValueError(
-            f"padding must be a [B] = [{lengths.numel()}] tensor (one count per document of cu_seqlens), got shape"
-            f" {tuple(padding.shape)}"
-        )
-    pad = padding.detach().to("cpu", torch.int64)
-    bad = torch.nonzero((pad < 0) | (pad > lengths)).flatten()
-    if bad.numel():
-        doc = int(bad[0])
-        raise ValueError(
-            f"padding[{doc}] = {int(pad[doc])} must be in [0, {int(lengths[doc])}] (document {doc}'s length in"
-            " cu_seqlens): padding counts the tokens at a document's end that are not real"
-        )
-    return lengths - pad
 
 
 def _valid_rows(shards: ShardLayout, real_lengths: Tensor, cp_rank: int) -> Tensor:

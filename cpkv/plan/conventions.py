@@ -252,3 +252,40 @@ def pad_documents(x: Tensor, cu_seqlens: Tensor, multiple: int) -> PaddedDocumen
     padded = x.new_zeros((int(new_cu[-1]), *x.shape[1:]))
     padded = padded.index_copy(0, token_index.to(x.device), x)
     return PaddedDocuments(padded, new_cu.to(cu_seqlens.dtype), padding, token_index)
+
+
+def document_real_lengths(cu_seqlens: Tensor, padding: Tensor) -> Tensor:
+    """Real length of every document of a padded batch: its length in ``cu_seqlens`` less its ``padding``.
+
+    Args:
+        cu_seqlens: ``[B + 1]`` leading-zero cu_seqlens of the padded documents (any device).
+        padding: ``[B]`` int tensor (any device): the tokens at the end of each document that
+            are not real (e.g. :func:`pad_documents`' ``padding``).
+
+    Returns:
+        ``[B]`` int64 on the CPU (a host read of both tensors).
+
+    Raises:
+        TypeError: ``padding`` is not an integer tensor. ValueError: ``padding`` is not ``[B]``,
+            or some ``padding[b]`` is outside ``[0, length of document b]`` (the first is named).
+
+    Example:
+        >>> document_real_lengths(torch.tensor([0, 8, 12]), torch.tensor([3, 0])).tolist()
+        [5, 4]
+    """
+    check_int_dtype("padding", check_tensor("padding", padding))
+    lengths = cu_seqlens.detach().to("cpu", torch.int64).diff()
+    if padding.shape != lengths.shape:
+        raise ValueError(
+            f"padding must be a [B] = [{lengths.numel()}] tensor (one count per document of cu_seqlens), got shape"
+            f" {tuple(padding.shape)}"
+        )
+    pad = padding.detach().to("cpu", torch.int64)
+    bad = torch.nonzero((pad < 0) | (pad > lengths)).flatten()
+    if bad.numel():
+        doc = int(bad[0])
+        raise ValueError(
+            f"padding[{doc}] = {int(pad[doc])} must be in [0, {int(lengths[doc])}] (document {doc}'s length in"
+            " cu_seqlens): padding counts the tokens at a document's end that are not real"
+        )
+    return lengths - pad

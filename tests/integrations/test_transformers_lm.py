@@ -44,6 +44,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -114,7 +115,8 @@ def _batch(lengths: list[int], seed: int) -> dict[str, Any]:
     return {"ids": ids, "labels": labels, "cu": seqlens_to_cu_seqlens(lengths, dtype=torch.int64), "lengths": lengths}
 
 
-BATCHES = {"main": (LENGTHS, 1), "other": (OTHER_LENGTHS, 2), "zigzag": (ZIGZAG_LENGTHS, 4)}
+PAD_LENGTHS = [13, 0, 30, 5, 19]  # padded per cp to multiples of 2*cp (zigzag); 67 real tokens
+BATCHES = {"main": (LENGTHS, 1), "other": (OTHER_LENGTHS, 2), "zigzag": (ZIGZAG_LENGTHS, 4), "padded": (PAD_LENGTHS, 5)}
 
 
 @contextlib.contextmanager
@@ -279,6 +281,106 @@ def cp_runs() -> dict[int, dict[str, Any]]:
 @pytest.fixture(params=[1, 2, 3], ids=lambda w: f"cp{w}")
 def cp_run(request: pytest.FixtureRequest, cp_runs: dict[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     return request.param, cp_runs[request.param]
+
+
+def _padded_case(model: Any, group: Any, batch: dict[str, Any], cp: int, exchange: str) -> dict[str, Any]:
+    """The docstring's zigzag recipe: every document padded to a multiple of ``2 * cp``, ``padding=`` passed.
+
+    The padding's labels are left as ``pad_documents`` fills them (0, a real token id): the
+    call itself makes them no targets.
+    """
+    from cpkv.integrations.transformers_lm import deepseek_v4_causal_lm_loss
+    from cpkv.plan import pad_documents
+
+    padded = pad_documents(batch["ids"][:, None], batch["cu"], 2 * cp)
+    labels = pad_documents(batch["labels"][:, None], batch["cu"], 2 * cp).x[:, 0]
+    out = deepseek_v4_causal_lm_loss(model, padded.x[:, 0][None], group, cu_seqlens=padded.cu_seqlens, labels=labels[None],
+                                     layout="zigzag", exchange=exchange, padding=padded.padding, indexer_loss=True,
+                                     backend="reference")  # type: ignore[arg-type]
+    out.loss.backward()
+    grads, missing = _reduced_grads(model, group, reduce=True)
+    return {"loss": _sum_all(out.loss, group), "lm_loss": float(out.lm_loss), "grads": grads, "missing": missing,
+            "num_tokens": int(out.num_tokens), "indexer": {k: float(v) for k, v in out.indexer_losses.items()},
+            "queries": out.plan.num_global_queries}
+
+
+def _outcome(call: Any) -> str:
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _padding_and_ranks(rank: int, world: int) -> dict[str, Any]:
+    """cp 1..world: the padded zigzag batch with the indexer loss; at cp ``world``, batches that differ by rank."""
+    import torch.distributed as dist
+
+    from cpkv.integrations.transformers_lm import enable_deepseek_v4_cp
+
+    batch = _batch(*BATCHES["padded"])
+    results: dict[str, Any] = {}
+    for cp in range(1, world + 1):
+        group = dist.new_group(list(range(cp)))
+        if rank >= cp:
+            continue
+        models = [enable_deepseek_v4_cp(_model()) for _ in range(3 if cp == 1 else 1)]  # outside lifted(), as above
+        with hf_oracle.lifted(), _no_mask():
+            if cp == 1:  # the indexer's reference: the unpadded batch, contiguous, one process
+                results["unpadded"] = _sum_case(models[1], group, batch, indexer_loss=True)
+                results["unpadded"]["indexer"] = {
+                    k: float(v) for k, v in _run(models[2], batch, group, indexer_loss=True).indexer_losses.items()}
+            results[f"padded/cp{cp}"] = _padded_case(models[0], group, batch, cp, "need" if cp % 2 == 0 else "allgather")
+    model, batch = enable_deepseek_v4_cp(_model()), _batch(*BATCHES["main"])  # 72 tokens: contiguous at cp 4
+    ids, labels = batch["ids"].clone(), batch["labels"].clone()
+    local = ids.numel() // world
+    if rank == world - 1:  # the first token of the last rank's shard: the previous rank's last label
+        ids[(world - 1) * local] = (ids[(world - 1) * local] + 1) % VOCAB
+    with _no_mask():
+        results["changed_token"] = _outcome(lambda: _run(model, {**batch, "ids": ids}, None))
+        results["changed_token_unchecked"] = _outcome(lambda: _run(model, {**batch, "ids": ids}, None, check_ranks=False))
+        short = labels[:-1] if rank == 2 else labels
+        results["short_labels"] = _outcome(lambda: _run(model, {**batch, "labels": short}, None))
+    return results
+
+
+@pytest.fixture(scope="module")
+def padding_runs() -> list[dict[str, Any]]:
+    """One spawn of 4 ranks: the padding case at cp 1-4, then the cross-rank checks at cp 4 (every rank's result)."""
+    return spawn(_padding_and_ranks, 4, timeout=240.0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_padding_keeps_padding_out_of_loss_and_indexer(padding_runs: list[dict[str, Any]], cp: int) -> None:
+    """Padded zigzag with ``padding=``: loss, every gradient, the indexer's gradients and losses equal the unpadded batch's."""
+    got, want, base = padding_runs[0][f"padded/cp{cp}"], _hf("padded"), padding_runs[0]["unpadded"]
+    assert got["missing"] == [] and got["num_tokens"] == want["count"] and got["queries"] == sum(PAD_LENGTHS)
+    assert abs(got["loss"] - want["loss"]) <= LOSS_ABS and abs(got["lm_loss"] - want["loss"]) <= LOSS_ABS
+    indexer = _indexer(want["grads"])
+    errors = _grad_errors(got["grads"], want["grads"], skip=indexer)
+    assert max(errors.values()) <= GRAD_REL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert all(float(base["grads"][n].abs().max()) > 0 for n in indexer)
+    errors = _grad_errors({n: got["grads"][n] for n in indexer}, {n: base["grads"][n] for n in indexer})
+    assert max(errors.values()) <= GRAD_REL, errors
+    assert got["indexer"].keys() == base["indexer"].keys() == {1}
+    assert abs(got["indexer"][1] - base["indexer"][1]) <= 1e-12 * abs(base["indexer"][1])
+
+
+def test_a_changed_token_on_one_rank_raises_on_every_rank(padding_runs: list[dict[str, Any]]) -> None:
+    """One token of the last rank's ids differs (its label is the previous rank's): every rank raises."""
+    outcomes = [r["changed_token"] for r in padding_runs]
+    assert all(o.startswith("ValueError") and "token ids or labels differ" in o for o in outcomes), outcomes
+    assert all(r["changed_token_unchecked"] == "no error" for r in padding_runs)  # check_ranks=False: the user's call
+    assert outcomes[0] in (Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+
+
+def test_short_labels_on_one_rank_raise_on_every_rank_naming_labels(padding_runs: list[dict[str, Any]]) -> None:
+    n = sum(LENGTHS)
+    outcomes = [r["short_labels"] for r in padding_runs]
+    assert outcomes[2] == f"ValueError: labels must hold input_ids' {n} tokens, got {n - 1}", outcomes
+    assert all(o.startswith("ValueError: rank 2 of the group failed") and "labels must hold" in o
+               for i, o in enumerate(outcomes) if i != 2), outcomes
 
 
 # --- the Hugging Face side, in the test process ------------------------------------------
@@ -459,6 +561,49 @@ def test_shift_labels_stops_at_document_ends() -> None:
     assert shift_labels(labels[None], cu, ignore_index=-1).tolist()[3:5] == [-1, -1]
     with pytest.raises(ValueError, match="cu_seqlens"):
         shift_labels(labels, torch.tensor([0, 4]))
+
+
+def test_shift_labels_with_padding_is_the_unpadded_shift() -> None:
+    """Padded with ``pad_documents``: the shifted labels of the real tokens are the unpadded batch's, the rest ignored."""
+    from cpkv.integrations.causal_lm import padding_mask
+    from cpkv.plan import pad_documents
+
+    labels, cu = torch.arange(10, 19), torch.tensor([0, 4, 4, 5, 9])
+    padded = pad_documents(labels[:, None], cu, 4)
+    mask = padding_mask(padded.cu_seqlens, padded.padding)
+    assert mask.tolist() == [t not in padded.token_index.tolist() for t in range(int(padded.cu_seqlens[-1]))]
+    garbage = padded.x[:, 0].masked_fill(mask, 7)  # a real id in the padding: still no target
+    shifted = shift_labels(garbage, padded.cu_seqlens, padding=padded.padding)
+    assert shifted[padded.token_index].tolist() == shift_labels(labels, cu).tolist()
+    assert bool((shifted[mask] == IGNORE).all())
+    with pytest.raises(ValueError, match=r"padding\[1\] = 1 must be in \[0, 0\]"):
+        shift_labels(labels, cu, padding=torch.tensor([0, 1, 0, 0]))
+    with pytest.raises(ValueError, match=r"labels must hold the batch's 9 tokens \(cu_seqlens\[-1\]\), got 8"):
+        shift_labels(labels[:8], cu)
+
+
+def test_batch_fingerprint_sees_every_change_of_one_or_two_tokens() -> None:
+    """Against the formula in Python integers; every single change and 2000 random pairs give another fingerprint."""
+    from cpkv.integrations.causal_lm import batch_fingerprint
+
+    p = 2**31 - 1
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-100, 2**20, (300,), generator=gen)
+    want = [sum((v % p) * (t + 1) ** k for t, v in enumerate(x.tolist())) % p for k in (1, 2)]
+    assert batch_fingerprint(x).tolist() == want
+    assert batch_fingerprint(x, x[None]).tolist() == want * 2
+    base = batch_fingerprint(x)
+    for t in range(x.numel()):
+        y = x.clone()
+        y[t] = -100 if int(y[t]) != -100 else 0
+        assert not torch.equal(batch_fingerprint(y), base), t
+    for _ in range(2000):
+        i, j = torch.randperm(x.numel(), generator=gen)[:2].tolist()
+        y = x.clone()
+        y[i], y[j] = y[j] + 1, y[i]  # a swap and a change: sums of ids and of labels unchanged or near
+        assert not torch.equal(batch_fingerprint(y), base), (i, j)
+    with pytest.raises(TypeError, match="integer"):
+        batch_fingerprint(torch.zeros(3))
 
 
 def test_cu_seqlens_from_position_ids() -> None:
