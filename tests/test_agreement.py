@@ -183,3 +183,26 @@ def test_module_failures_raise_on_every_rank(per_rank: Results, run: str) -> Non
     _assert_agreed(outcomes, None, world)
     boom = [name for name, _ in outcomes[0]].index("boom in the user's compressor")
     _assert_agreed([o[boom:boom + 1] for o in outcomes], world - 1, world)
+
+
+def _one_rank_bad_q(rank: int, world: int) -> str:
+    """Rank 1 passes one ``q`` row too many; rank 0 a correct call (the documented limit)."""
+    plan = plan_attention(CU, world, rank, group=dist.group.WORLD)
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(plan.local_len + (rank == 1), 2, 8, generator=gen)
+    kv = torch.randn(plan.local_len, 8, generator=gen)
+    try:
+        attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=8, window=None))
+    except Exception as error:  # noqa: BLE001 - the outcome is the result
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_bad_argument_raises_there_and_fails_the_peers_collective() -> None:
+    """The limit the README states: an argument only one rank gets wrong raises on that rank before any
+    collective; its peers are already in the layer's first collective, which fails (gloo: the peer closed)
+    once the failing rank leaves the group. NCCL would wait until the group's timeout instead."""
+    outcomes = spawn(_one_rank_bad_q, 2, timeout=60.0)
+    assert outcomes[1] == "ValueError: q and kv must hold this rank's 12 tokens (plan.local_len), got 13 and 12", outcomes
+    assert outcomes[0].startswith(("RuntimeError", "DistBackendError")) and "rank 1" not in outcomes[0], outcomes
