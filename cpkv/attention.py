@@ -51,8 +51,9 @@ class AttentionSpec:
         d_v: value channels: the first ``d_v`` channels of the shared kv.
         compress_ratio: the layer's ratio; its :class:`LayerCompressMode` follows from it unless
             ``compress_mode`` says otherwise.
-        window: sliding window ``W`` (own token plus ``W - 1`` earlier), ``None`` for dense
-            causal (``NO_COMPRESS`` only).
+        window: sliding window ``W`` (own token plus ``W - 1`` earlier), or ``None`` (the
+            default): dense causal, ``NO_COMPRESS`` only. Compressed layers must name their
+            window (DeepSeek-V4's is 128); ``validate`` raises otherwise.
         scale: softmax scale; ``None`` means ``1/sqrt(D)``.
         topk: entries the indexer selects per query (INDEXER).
         indexer_loss: INDEXER layers: attach the indexer's KL loss (its only gradient; see
@@ -73,7 +74,7 @@ class AttentionSpec:
 
     d_v: int
     compress_ratio: int = 0
-    window: int | None = 128
+    window: int | None = None
     scale: float | None = None
     topk: int = 512
     indexer_loss: bool = True
@@ -499,7 +500,7 @@ def attention_forward(
 
     Example:
         >>> plan = plan_attention(cu_seqlens, cp_size, cp_rank, compress_ratios=[4])  # doctest: +SKIP
-        >>> out = attention_forward(q, kv, plan, group, spec=AttentionSpec(d_v=448)).out  # doctest: +SKIP
+        >>> out = attention_forward(q, kv, plan, group, spec=AttentionSpec(d_v=448, compress_ratio=4, window=128)).out  # doctest: +SKIP
     """
     ops = get_backend(backend, q.device if isinstance(q, Tensor) else None)
     _check_inputs(q, kv, plan, group, spec, sinks, hidden, compressor, indexer, index_features, ops, grad_scale)

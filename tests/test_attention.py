@@ -65,6 +65,28 @@ def test_every_rank_raises_before_any_collective(world: int) -> None:
             assert name in message, (name, message)
 
 
+def _dense_default_call(rank: int, world: int) -> torch.Tensor:
+    plan = plan_attention(torch.tensor([0, 200]), 1, 0, exchange="need")  # plans the dense (None) route only
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(200, 2, 8, generator=gen, dtype=torch.float64), torch.randn(200, 8, generator=gen, dtype=torch.float64)
+    return attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=8), backend="reference").out
+
+
+def test_spec_window_defaults_to_dense_causal() -> None:
+    """``AttentionSpec(d_v=...)`` is dense causal (no silent sliding window); compressed layers must name one."""
+    assert AttentionSpec(d_v=8).window is None
+    AttentionSpec(d_v=8).validate()
+    out = spawn(_dense_default_call, 1)[0]
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(200, 2, 8, generator=gen, dtype=torch.float64), torch.randn(200, 8, generator=gen, dtype=torch.float64)
+    scores = torch.einsum("thd,sd->hts", q, kv) * 8**-0.5
+    mask = torch.ones(200, 200, dtype=torch.bool).tril()  # dense causal: query 199 sees all 200 keys, not 128
+    want = torch.einsum("hts,sd->thd", scores.masked_fill(~mask, float("-inf")).softmax(-1), kv)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"spec.window is required for compressed layers \(INDEXER\), got None"):
+        AttentionSpec(d_v=8, compress_ratio=4).validate()
+
+
 def test_spec_mode_follows_ratio() -> None:
     assert AttentionSpec(d_v=8, compress_ratio=128).mode.name == "COMPRESSOR_ONLY"
     with pytest.raises(ValueError, match="spec.topk"):

@@ -196,7 +196,7 @@ ERRORS: list[tuple[type[Exception], Callable[[], object]]] = [
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, exchange="need")))),
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 2, 0)))),
     (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, exchange="need", windows=[16], ring_degree=2), backend=_NamedNPU()))),
-    (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, compress_ratios=[4]), spec=AttentionSpec(d_v=8, compress_ratio=8)))),
+    (ValueError, _one_rank(lambda t: _forward(t, plan_attention(CU, 1, 0, compress_ratios=[4]), spec=AttentionSpec(d_v=8, compress_ratio=8, window=16)))),
     (ValueError, _one_rank(lambda t: plan_attention(CU, 2, 1, group=dist.group.WORLD))),
     (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, exchange="need", windows=[16], compress_ratios=[4], prev_blocks={4: 0})))),
     (ValueError, _one_rank(lambda t: _layer_call(plan_attention(CU, 1, 0, compress_ratios=[4]), hidden_width=32))),
