@@ -222,3 +222,54 @@ def test_troubleshooting_quotes_the_real_messages(expected: type[Exception], cal
 def test_no_coming_placeholders_left(page: str) -> None:
     """Features described as "coming" have landed: the pages describe them instead."""
     assert "(coming" not in (DOCS / page).read_text(encoding="utf-8")
+
+
+NUMBERS = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
+def _read(page: str) -> str:
+    return (ROOT / page).read_text(encoding="utf-8")
+
+
+def test_primitive_counts_match_the_backend_protocol() -> None:
+    """Every page that counts the backend's primitives counts the Protocol's methods, and its tables list each."""
+    from cpkv.backends.base import AttentionBackend
+
+    tree = ast.parse(_read("cpkv/backends/base.py"))
+    protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == AttentionBackend.__name__)
+    methods = [f.name for f in protocol.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
+    word = NUMBERS[len(methods)]
+    for page in ("README.md", "docs/backends.md", "docs/design.md", "docs/semantics.md"):
+        text = _read(page)
+        counts = re.findall(r"\b(\w+|\d+) primitives\b", text)
+        counts = [c for c in counts if c.isdigit() or c in NUMBERS.values()]  # not "dense primitives"
+        assert counts and all(c in (word, str(len(methods))) for c in counts), (page, counts)
+    for page in ("docs/backends.md", "docs/semantics.md"):
+        table = _read(page).split("| primitive |", 1)[1].split("\n\n", 1)[0]
+        listed = re.findall(r"^\| `(\w+)", table, flags=re.M)
+        assert listed == methods, (page, listed)
+
+
+def _spawned_world(test_file: str, fn: str) -> int:
+    match = re.search(rf"spawn\({fn}, (\d+)", _read(test_file))
+    assert match, (test_file, fn)
+    return int(match.group(1))
+
+
+def test_coverage_claims_match_the_tests() -> None:
+    """The cp sizes the README and semantics.md claim for the Hugging Face tests are the ones the tests spawn."""
+    lm, padded = (_spawned_world("tests/integrations/test_transformers_lm.py", f) for f in ("_all_cp_sizes", "_padding_and_ranks"))
+    attention = _spawned_world("tests/integrations/test_transformers.py", "_all_cp_sizes")
+    readme, semantics = _read("README.md"), _read("docs/semantics.md")
+    assert f"tested in float64 at cp 1-{lm}, both exchanges, every\nlayout" in readme
+    assert f"zigzag with padding and the indexer loss at cp 1-{padded}" in readme
+    assert f"That holds at cp 1-{lm} for every layout" in semantics
+    assert f"and at cp 1-{padded} for\npadded zigzag" in semantics
+    assert f"parameter gradients summed over ranks at cp 1-{attention}, for\nevery layer type and every layout" in semantics
+
+
+def test_spec_window_default_is_the_documented_one() -> None:
+    import dataclasses
+
+    default = {f.name: f.default for f in dataclasses.fields(AttentionSpec)}["window"]
+    assert default is None and "`AttentionSpec.window`, whose default is `None`: dense causal" in _read("docs/semantics.md")

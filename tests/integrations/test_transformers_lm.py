@@ -5,8 +5,9 @@ per document (batch 1, positions from 0, its own sliding-window mask), with the 
 cross-entropy of each document summed and divided by the batch's count of valid labels;
 loss and every parameter gradient (``None`` in Hugging Face counts as zero: its indexer is
 never trained). The CP side is :func:`cpkv.integrations.transformers_lm.deepseek_v4_causal_lm_loss`
-on gloo ranks: one spawn of 4 ranks runs every case at cp 1-4 on the groups of ranks
-0..cp-1 (the ranks' imports of transformers dominate the cost). The tiny random model has
+on gloo ranks: one spawn of 3 ranks runs every case at cp 1-3 on the groups of ranks
+0..cp-1 (the ranks' imports of transformers dominate the cost); a second spawn of 4 ranks runs
+padded zigzag with the indexer loss at cp 1-4 and the cross-rank checks at cp 4. The tiny random model has
 one sliding, one CSA (ratio 4, with its indexer) and one HCA (ratio 16) layer, a hash-routed
 and two learned MoE layers, hyper-connections (``hc_mult=2``) and random sinks, position
 biases and hash table. Cases:
@@ -65,7 +66,7 @@ from tests.integrations import hf_oracle  # noqa: E402
 
 VOCAB, IGNORE = 64, -100
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
-# 72 tokens (divisible by cp 1-4). At cp 3 (24 tokens a rank) rank 1 holds no ratio-16 block
+# 72 tokens (divisible by cp 1-4: the cross-rank checks run at cp 4). At cp 3 (24 tokens a rank) rank 1 holds no ratio-16 block
 # of its own (the 19-token document's one block ends on rank 2): its HCA compressor does not run.
 LENGTHS = [5, 0, 30, 3, 1, 19, 14]
 OTHER_LENGTHS = [20, 16, 36]  # the second micro-batch of the checkpointing case
