@@ -212,7 +212,7 @@ def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, o
         return [kv]
     halo = exchange_rows(kv, source.halo, group, order=order)
     if source.rows is not None:  # ranges read rows in another order than [received ; own]
-        return [torch.cat([halo, kv]).index_select(0, source.rows)]
+        return [torch.cat([halo, kv]).index_select(0, source.rows.to(kv.device))]
     return [halo, kv] if source.halo.num_recv else [kv]
 
 
@@ -602,7 +602,7 @@ def attention_forward(
         for ring_round in source.rounds:
             rows = exchange_rows(moved, ring_round.routes, group, order=order)
             if ring_round.rows is not None:  # into index order
-                rows = rows.index_select(0, ring_round.rows)
+                rows = rows.index_select(0, ring_round.rows.to(rows.device))
             if ring_round.ranges.num_rows and ring_round.ranges.num_keys:  # empty rounds make no call
                 keys, values = _heads(rows, q.shape[-1], spec.d_v, v is not None)
                 parts.append(ops.range_attention(q, keys, values, ring_round.ranges, scale=scale))
