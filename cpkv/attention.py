@@ -6,14 +6,16 @@ Per layer call, in every layout, exchange and compress mode:
    same outcome on every rank, before any collective);
 2. build the rank's kv buffer as the plan says (a slice or rows of the all-gathered kv, or
    the need-exchange halo in front of the rank's own rows, or only its own rows when ring
-   rounds bring the rest);
+   rounds bring the rest); all kv heads, keys and values side by side, in one collective;
 3. compressed layers: compress (the prefix under ``"allgather"``; only the rank's own
    blocks under ``"need"``, then entries travel to the ranks that see them) and, for
    INDEXER layers, score and select entries;
 4. attend through the backend's primitives, merge ring rounds by LSE, attach the indexer
    loss, and tie the backward-order token to the output.
 
-Everything per-batch (segments, routes, rounds, visibility) is plan data.
+Everything per-batch (segments, routes, rounds, visibility) is plan data; the kv heads
+(one shared head ``[T/cp, D]``, shared heads ``[T/cp, H_kv, D]`` or keys with values ``v``) are
+layer data: the plan does not depend on them.
 """
 
 from __future__ import annotations
