@@ -6,14 +6,16 @@ Per layer call, in every layout, exchange and compress mode:
    same outcome on every rank, before any collective);
 2. build the rank's kv buffer as the plan says (a slice or rows of the all-gathered kv, or
    the need-exchange halo in front of the rank's own rows, or only its own rows when ring
-   rounds bring the rest);
+   rounds bring the rest); all kv heads, keys and values side by side, in one collective;
 3. compressed layers: compress (the prefix under ``"allgather"``; only the rank's own
    blocks under ``"need"``, then entries travel to the ranks that see them) and, for
    INDEXER layers, score and select entries;
 4. attend through the backend's primitives, merge ring rounds by LSE, attach the indexer
    loss, and tie the backward-order token to the output.
 
-Everything per-batch (segments, routes, rounds, visibility) is plan data.
+Everything per-batch (segments, routes, rounds, visibility) is plan data; the kv heads
+(one shared head ``[T/cp, D]``, shared heads ``[T/cp, H_kv, D]`` or keys with values ``v``) are
+layer data: the plan does not depend on them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class AttentionSpec:
     """What a layer attends to (the per-layer, not per-batch, options).
 
     Attributes:
-        d_v: value channels: the first ``d_v`` channels of the shared kv.
+        d_v: value channels: the first ``d_v`` channels of each shared kv head, or the width of
+            the separate values ``v`` (:func:`attention_forward`).
         compress_ratio: the layer's ratio; its :class:`LayerCompressMode` follows from it unless
             ``compress_mode`` says otherwise.
         window: sliding window ``W`` (own token plus ``W - 1`` earlier), or ``None`` (the
@@ -212,12 +215,30 @@ def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, o
         return [kv]
     halo = exchange_rows(kv, source.halo, group, order=order)
     if source.rows is not None:  # ranges read rows in another order than [received ; own]
-        return [torch.cat([halo, kv]).index_select(0, source.rows)]
+        return [torch.cat([halo, kv]).index_select(0, source.rows.to(kv.device))]
     return [halo, kv] if source.halo.num_recv else [kv]
 
 
 def _concat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _exchanged(kv: Tensor, v: Tensor | None) -> Tensor:
+    """The one tensor the exchanges move: ``kv`` itself, or keys and values side by side ``[T/cp, H_kv, D + d_v]``."""
+    return kv if v is None else torch.cat([kv, v], dim=-1)
+
+
+def _heads(rows: Tensor, dim: int, d_v: int, separate: bool) -> tuple[Tensor, Tensor]:
+    """Keys ``[n, H_kv, D]`` and values ``[n, H_kv, d_v]`` (views) of exchanged rows.
+
+    ``rows`` is ``[n, D]`` (one shared head: the values are its first ``d_v`` channels),
+    ``[n, H_kv, D]`` (shared heads) or, when ``separate``, ``[n, H_kv, D + d_v]`` (keys, then values).
+    """
+    if rows.ndim == 2:
+        return rows[:, None], rows[:, None, :d_v]
+    if separate:
+        return rows[..., :dim], rows[..., dim:]
+    return rows, rows[..., :d_v]
 
 
 def _compress_own(
@@ -399,8 +420,31 @@ def _check_tensor_arg(name: str, x: object, form: str, ndim: int, rows: int, lik
     return tensor
 
 
+def _check_heads(q: Tensor, kv: Tensor, v: Tensor | None, spec: AttentionSpec) -> None:
+    """The kv heads against q's: ``H % H_kv == 0``, key width ``D``, values ``d_v`` (shared or ``v``)."""
+    heads, dim = q.shape[1], q.shape[-1]
+    form = "[T/cp, D]" if kv.ndim == 2 else "[T/cp, H_kv, D]"
+    if kv.ndim == 3 and (kv.shape[1] == 0 or heads % kv.shape[1]):
+        raise ValueError(f"kv has {kv.shape[1]} heads, which must divide q's {heads} heads (H % H_kv == 0), got shape {tuple(kv.shape)}")
+    if kv.shape[-1] != dim:
+        raise ValueError(f"kv must be {form} with D = q's {dim}, got {tuple(kv.shape)}")
+    if v is None:
+        if spec.d_v > dim:
+            raise ValueError(f"spec.d_v ({spec.d_v}) must be <= D = {dim}: shared kv heads hold the values in their first d_v channels")
+        return
+    check_ndim("v", check_tensor("v", v), 3, "[T/cp, H_kv, d_v]")
+    if kv.ndim != 3:
+        raise ValueError(f"with separate values v, kv must hold the keys as [T/cp, H_kv, D], got shape {tuple(kv.shape)}")
+    if tuple(v.shape) != (kv.shape[0], kv.shape[1], spec.d_v):
+        raise ValueError(
+            f"v must be [T/cp, H_kv, spec.d_v] = [{kv.shape[0]}, {kv.shape[1]}, {spec.d_v}] (kv's rows and heads), got {tuple(v.shape)}"
+        )
+    if not v.is_floating_point():
+        raise TypeError(f"v must be a floating-point tensor, got dtype {v.dtype}")
+
+
 def _check_inputs(
-    q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, spec: AttentionSpec, sinks: Tensor | None,
+    q: Tensor, kv: Tensor, v: Tensor | None, plan: AttentionPlan, group: Group, spec: AttentionSpec, sinks: Tensor | None,
     hidden: Tensor | None, compressor: CompressorFn | None, indexer: IndexerFn | None, index_features: Tensor | None,
     backend: AttentionBackend, grad_scale: float,
 ) -> None:
@@ -413,18 +457,20 @@ def _check_inputs(
     check_group("group", group)
     _check_finite("grad_scale", grad_scale)
     check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
-    check_ndim("kv", check_tensor("kv", kv), 2, "[T/cp, D] (one shared kv head)")
+    if check_tensor("kv", kv).ndim not in (2, 3):
+        raise ValueError(f"kv must be [T/cp, D] (one shared kv head) or [T/cp, H_kv, D] (kv heads), got shape {tuple(kv.shape)}")
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    _check_heads(q, kv, v, spec)
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     if (plan.cp_size, plan.cp_rank) != (cp_size, cp_rank):
         raise ValueError(f"plan was made for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}; the group has size {cp_size}, rank {cp_rank}")
     if q.shape[0] != plan.local_len or kv.shape[0] != plan.local_len:
         raise ValueError(f"q and kv must hold this rank's {plan.local_len} tokens (plan.local_len), got {q.shape[0]} and {kv.shape[0]}")
-    if kv.shape[-1] != q.shape[-1] or spec.d_v > kv.shape[-1]:
-        raise ValueError(f"kv must be [T/cp, D] with D = q's {q.shape[-1]} and >= spec.d_v {spec.d_v}, got {tuple(kv.shape)}")
     if kv.dtype != q.dtype or kv.device != q.device:
         raise TypeError(f"kv must have q's dtype and device ({q.dtype}, {q.device}), got {kv.dtype}, {kv.device}")
+    if v is not None and (v.dtype != q.dtype or v.device != q.device):
+        raise TypeError(f"v must have q's dtype and device ({q.dtype}, {q.device}), got {v.dtype}, {v.device}")
     if sinks is not None:
         check_ndim("sinks", check_tensor("sinks", sinks), 1, f"[H] = [{q.shape[1]}]")
         if sinks.shape[0] != q.shape[1] or not sinks.is_floating_point() or sinks.device != q.device:
@@ -434,6 +480,11 @@ def _check_inputs(
         raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; plan with 1")
     if not spec.mode.compresses:
         return
+    if kv.ndim != 2 or v is not None:
+        raise ValueError(
+            f"compressed layers ({spec.mode.name}) take one shared kv head: kv [T/cp, D] and v=None, got kv"
+            f" {tuple(kv.shape)}" + ("" if v is None else f" and v {tuple(v.shape)}")
+        )
     if spec.compress_ratio not in plan.compress_ratios:
         raise ValueError(
             f"spec.compress_ratio={spec.compress_ratio} was not planned (plan.compress_ratios={plan.compress_ratios}):"
@@ -460,7 +511,7 @@ def _check_inputs(
 
 
 def attention_forward(
-    q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, *, spec: AttentionSpec,
+    q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, *, spec: AttentionSpec, v: Tensor | None = None,
     sinks: Tensor | None = None, hidden: Tensor | None = None, compressor: CompressorFn | None = None,
     indexer: IndexerFn | None = None, index_features: Tensor | None = None,
     backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
@@ -470,13 +521,20 @@ def attention_forward(
     Args:
         q: ``[T/cp, H, D]`` this rank's queries in shard order, RoPE applied at
             ``plan.q_positions``.
-        kv: ``[T/cp, D]`` this rank's shared kv (one head; values are its first ``spec.d_v``
-            channels), RoPE applied; q's dtype and device.
+        kv: this rank's kv, RoPE applied, q's dtype and device: ``[T/cp, D]`` one shared kv
+            head (DeepSeek-V4's MQA; values are its first ``spec.d_v`` channels), or
+            ``[T/cp, H_kv, D]`` kv heads with ``H % H_kv == 0`` (query head ``h`` attends with kv
+            head ``h // (H / H_kv)``, as Megatron's and torch's GQA): shared (values their first
+            ``spec.d_v`` channels) or, with ``v``, the keys. Every exchange moves all heads in
+            one collective (keys and values side by side); compressed layers take the 2-D form.
         plan: this rank's :class:`~cpkv.plan.attention.AttentionPlan` (:func:`cpkv.plan_attention`,
             once per micro-batch, with this layer's ratio in ``compress_ratios`` and, for
             ``exchange="need"``, its window in ``windows``). The only description of the batch.
         group: the CP group (``None``: the default group); its size and rank must be the plan's.
         spec: the layer's :class:`AttentionSpec`.
+        v: ``[T/cp, H_kv, spec.d_v]`` values of their own (keys and values differ: GQA, MHA,
+            MLA's per-head keys and values), with ``kv`` the keys ``[T/cp, H_kv, D]``; ``None``
+            (default): the shared-KV forms.
         sinks: ``[H]`` per-head sink logits, or ``None``.
         hidden: ``[T/cp, hidden]`` this rank's compressor / indexer inputs (compressed modes).
         compressor, indexer: the layer's modules (compressed modes / INDEXER), declaring
@@ -490,11 +548,12 @@ def attention_forward(
 
     Returns:
         :class:`AttentionOutput` with ``out`` ``[T/cp, H, d_v]``. Backward flows to ``q``,
-        ``kv``, ``sinks``, ``hidden`` and the modules' parameters (the main compressor is
+        ``kv``, ``v``, ``sinks``, ``hidden`` and the modules' parameters (the main compressor is
         not detached; the indexer sees detached inputs and learns from its KL loss).
 
     Raises:
-        ValueError, TypeError: bad shapes or dtypes, inconsistent spec/modules/plan, a plan
+        ValueError, TypeError: bad shapes or dtypes (``H % H_kv != 0``, ``v`` not
+            ``[T/cp, H_kv, d_v]``, kv heads in a compressed layer), inconsistent spec/modules/plan, a plan
             for another group position, a ratio or need window the plan lacks, ring rounds
             with the NPU backend; raised on every rank before any collective.
 
@@ -503,10 +562,11 @@ def attention_forward(
         >>> out = attention_forward(q, kv, plan, group, spec=AttentionSpec(d_v=448, compress_ratio=4, window=128)).out  # doctest: +SKIP
     """
     ops = get_backend(backend, q.device if isinstance(q, Tensor) else None)
-    _check_inputs(q, kv, plan, group, spec, sinks, hidden, compressor, indexer, index_features, ops, grad_scale)
-    order = BackwardOrder(q, kv)
+    _check_inputs(q, kv, v, plan, group, spec, sinks, hidden, compressor, indexer, index_features, ops, grad_scale)
+    order = BackwardOrder(q, kv) if v is None else BackwardOrder(q, kv, v)
     source = plan.kv_source(spec.window)
-    kv_parts = _kv_parts(kv, plan, source, group, order)
+    moved = _exchanged(kv, v)  # what every exchange moves: all kv heads (and values) in one collective
+    kv_parts = _kv_parts(moved, plan, source, group, order)
     entry_parts: list[Tensor] = []
     index = None
     if spec.mode.compresses and compressor is not None and hidden is not None:
@@ -517,10 +577,8 @@ def attention_forward(
     selected, probs = None, None
     if not entry_parts:  # NO_COMPRESS, or no entry on this rank: the effective ratio is 1
         kv_all = kv_buffer = _concat(kv_parts)
-        local = ops.varlen_attention(
-            q, kv_buffer[:, None], kv_buffer[:, None, : spec.d_v], source.segments,
-            scale=scale, window=spec.window, sinks=local_sinks,
-        )
+        keys, values = _heads(kv_buffer, q.shape[-1], spec.d_v, v is not None)
+        local = ops.varlen_attention(q, keys, values, source.segments, scale=scale, window=spec.window, sinks=local_sinks)
         ratio = 1
     else:
         window = spec.window if spec.window is not None else 1  # spec.validate: compressed layers have a window
@@ -545,11 +603,12 @@ def attention_forward(
     if source.rounds:
         parts = [local]
         for ring_round in source.rounds:
-            rows = exchange_rows(kv, ring_round.routes, group, order=order)
+            rows = exchange_rows(moved, ring_round.routes, group, order=order)
             if ring_round.rows is not None:  # into index order
-                rows = rows.index_select(0, ring_round.rows)
+                rows = rows.index_select(0, ring_round.rows.to(rows.device))
             if ring_round.ranges.num_rows and ring_round.ranges.num_keys:  # empty rounds make no call
-                parts.append(ops.range_attention(q, rows[:, None], rows[:, None, : spec.d_v], ring_round.ranges, scale=scale))
+                keys, values = _heads(rows, q.shape[-1], spec.d_v, v is not None)
+                parts.append(ops.range_attention(q, keys, values, ring_round.ranges, scale=scale))
         result = merge_partials(parts, sinks)
     loss = None
     if selected is not None and index is not None and spec.indexer_loss:

@@ -24,18 +24,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 @dataclass
 class ByteCounter:
-    """Bytes received by this rank, per collective name, while :func:`count_bytes` was active."""
+    """Bytes received by this rank, and calls, per collective name, while :func:`count_bytes` was active."""
 
     by_op: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         """All bytes received."""
         return sum(self.by_op.values())
 
+    @property
+    def num_calls(self) -> int:
+        """All collective calls (forward and backward)."""
+        return sum(self.calls.values())
+
     def add(self, op: str, num_bytes: int) -> None:
-        """Record ``num_bytes`` received by ``op``."""
+        """Record one call of ``op`` that received ``num_bytes``."""
         self.by_op[op] = self.by_op.get(op, 0) + num_bytes
+        self.calls[op] = self.calls.get(op, 0) + 1
 
 
 def _row_bytes(t: Tensor) -> int:

@@ -27,7 +27,11 @@ def _bad_calls(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
     return [
         ("plan must be an AttentionPlan", lambda: attention_forward(q, kv, CU, None, spec=spec)),  # type: ignore[arg-type]
         ("plan.local_len", lambda: attention_forward(q[:-1], kv[:-1], plan, None, spec=spec)),
-        ("kv", lambda: attention_forward(q, kv[:, None], plan, None, spec=spec)),
+        ("kv has 3 heads, which must divide q's 4", lambda: attention_forward(q, torch.randn(local, 3, 32), plan, None, spec=spec)),
+        ("v must be [T/cp, H_kv, spec.d_v]", lambda: attention_forward(q, kv[:, None], plan, None, spec=spec,
+                                                                       v=torch.randn(local, 1, 20))),
+        ("take one shared kv head", lambda: attention_forward(q, kv[:, None], plan_attention(CU, world, rank, compress_ratios=[8]),
+                                                              None, spec=cmp_spec)),
         ("spec.d_v", lambda: attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=40, window=4))),
         ("compress_ratio=8 was not planned", lambda: attention_forward(q, kv, plan, None, spec=cmp_spec)),
         ("compressor", lambda: attention_forward(q, kv, plan_attention(CU, world, rank, compress_ratios=[8]), None, spec=cmp_spec)),

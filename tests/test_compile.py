@@ -1,6 +1,7 @@
 """``torch.compile(fullgraph=True)`` of a layer call, on gloo ranks, matches eager.
 
-Every compress mode under every layout and exchange (ring rounds included) compiles as one
+Every compress mode under every layout and exchange (ring rounds included), and
+``attention_forward`` with several kv heads (GQA keys and values, window, sinks), compiles as one
 graph (``fullgraph=True`` raises on any graph break) through ``V4Attention.forward`` ->
 ``attention_forward`` on the reference backend, and its outputs and input/parameter
 gradients equal eager to fp32 round-off (<= 1e-5 relative: the same ops, possibly fused
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from cpkv.attention import attention_forward
+from cpkv.attention import AttentionSpec, attention_forward
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config
@@ -103,13 +104,52 @@ def compile_cases(
     return results
 
 
+GQA_CASES = [("zigzag", "allgather", 1), ("contiguous", "need", 2)]  # kv heads: 4 query heads over 2 kv heads
+
+
+def compile_gqa(rank: int, world: int, cases: list[tuple[str, str, int]], backend: str) -> dict[str, Any]:
+    """``attention_forward`` with kv heads (keys ``[T/cp, 2, 16]``, values ``[T/cp, 2, 8]``, window, sinks), compiled vs eager."""
+    import torch._dynamo
+
+    results: dict[str, Any] = {}
+    for layout, exchange, ring in cases:
+        plan = plan_attention(seqlens_to_cu_seqlens(LENGTHS[layout]), world, rank, layout=layout,  # type: ignore[arg-type]
+                              exchange=exchange, ring_degree=ring, windows=[8])  # type: ignore[arg-type]
+        gen = torch.Generator().manual_seed(4)
+        inputs = [plan.shard(torch.randn(48, *shape, generator=gen)) for shape in ((4, 16), (2, 16), (2, 8))]
+        sinks, grad = torch.randn(4, generator=gen), plan.shard(torch.randn(48, 4, 8, generator=gen))
+        spec = AttentionSpec(d_v=8, window=8)
+
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = attention_forward(q, k, plan, None, spec=spec, v=v, sinks=s, backend="reference").out
+            return out
+
+        def run(fn: Any) -> list[torch.Tensor]:
+            leaves = [x.clone().requires_grad_(True) for x in (*inputs, sinks)]
+            out = fn(*leaves)
+            out.backward(grad)
+            return [out.detach(), *(x.grad for x in leaves)]
+
+        eager = run(call)
+        torch._dynamo.reset()
+        compiled = run(torch.compile(call, fullgraph=True, backend=backend))  # fullgraph: any graph break raises
+        errors = [float((c - e).abs().max() / e.abs().max().clamp(min=1e-12)) for c, e in zip(compiled, eager)]
+        results[f"gqa:{layout}/{exchange}" + (f"/ring{ring}" if ring > 1 else "")] = {"error": max(errors)}
+    return results
+
+
+def _direct_and_gqa(rank: int, world: int) -> dict[str, Any]:
+    """One spawn: ``attention_forward`` itself on a V4 INDEXER case, and the kv-heads cases."""
+    direct = compile_cases(rank, world, [("indexer", "contiguous", "need", 1)], "aot_eager", "attention")
+    return {**{"attention_forward:" + key: value for key, value in direct.items()},
+            **compile_gqa(rank, world, GQA_CASES, "aot_eager")}
+
+
 @pytest.fixture(scope="module")
 def compiled_runs() -> dict[str, Any]:
     per_rank = spawn(compile_cases, 2, CASES, "aot_eager", timeout=500.0)
-    direct = spawn(compile_cases, 2, [("indexer", "contiguous", "need", 1)], "aot_eager", "attention", timeout=300.0)
-    results = {key: [r[key] for r in per_rank] for key in per_rank[0]}
-    results["attention_forward:" + next(iter(direct[0]))] = [next(iter(r.values())) for r in direct]
-    return results
+    direct = spawn(_direct_and_gqa, 2, timeout=300.0)
+    return {key: [r[key] for r in runs] for runs in (per_rank, direct) for key in runs[0]}
 
 
 @pytest.mark.timeout(300)
@@ -123,7 +163,8 @@ def test_inductor_keeps_backward_collectives_in_order_on_every_rank() -> None:
 
 
 @pytest.mark.timeout(560)
-@pytest.mark.parametrize("case", [_case_id(*c) for c in CASES] + ["attention_forward:indexer/contiguous/need"])
+@pytest.mark.parametrize("case", [_case_id(*c) for c in CASES] + ["attention_forward:indexer/contiguous/need",
+                                                                   "gqa:zigzag/allgather", "gqa:contiguous/need/ring2"])
 def test_layer_call_compiles_fullgraph_and_matches_eager(compiled_runs: dict[str, Any], case: str) -> None:
     for rank_result in compiled_runs[case]:
         assert rank_result["error"] <= 1e-5, (case, rank_result)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpkv.bench.__main__ import parse_args, render
+from cpkv.bench.heads import LayerCalls
 from cpkv.bench.memory import LayerDims
 from cpkv.bench.traffic import Dims
 from cpkv.bench.walltime import WALL_WINDOW
@@ -164,7 +165,8 @@ def _render_dummy() -> str:
     walls = {f"{r}/{e}": 1.0 for r in args.ratios for e in ("allgather", "need")}
     plans = {"b": {k: (1.0, 1.0) for k in ("mindspeed", "prefix", "allgather", "need")}}
     keys = [{"key_dtype": "float32", "need": 1, "limit": 1, "allgather": 1}]
-    return render(traffic, (1.0, 1.0, 1.0), walls, args, balance, rings, scaling, memory, plans, keys)
+    heads = [{"case": "c", "exchange": "need", "cp": 8, "before": LayerCalls(1, 1, 1), "after": LayerCalls(1, 1, 1)}]
+    return render(traffic, (1.0, 1.0, 1.0), walls, args, balance, rings, scaling, memory, plans, keys, heads)
 
 
 def _structure(text: str) -> list[str]:

@@ -7,7 +7,8 @@ Routing (docs/backends.md):
   faster choice: dense (causal) layers, with or without sinks, and windowed layers without
   sinks. A windowed layer with sinks, and any call with ``D > 256`` or fp32, goes to the
   Triton sparse kernel (:mod:`cpkv.backends.triton`) through an index list (the window's
-  rows, or the causal/ring range's rows), when the kv has one head (MQA, as in V4).
+  rows, or the causal/ring range's rows); several kv heads (GQA/MHA) fold into the kernel's
+  one shared head (query rows ``(t, g)`` over kv rows ``j * H_kv + g``), still one launch.
 * :meth:`CUDABackend.sparse_attention`, :meth:`CUDABackend.selected_probs` (from the
   kernel's LSE), :meth:`CUDABackend.indexer_topk` and :meth:`CUDABackend.indexer_kl` (the
   indexer loss and its backward) run the Triton kernels.
@@ -49,8 +50,7 @@ Fallbacks to the reference (a ``UserWarning`` once per backend instance and reas
 neither kernel serves a call: for ``varlen_attn`` dtypes other than fp16/bf16, head dims
 above 256 or ``D_v > D``, a window (finite ``left``) on the torch 2.10 form, and tensors not
 on a CUDA device (torch's own kernel only; an injected ``varlen_attn``, as the tests use, is
-trusted with any device); for the Triton kernels no ``triton`` package, fp64, several kv
-heads (dense primitives), or tensors not on a CUDA device (unless ``triton_kernels=True``
+trusted with any device); for the Triton kernels no ``triton`` package, fp64, or tensors not on a CUDA device (unless ``triton_kernels=True``
 forces them, as the CPU tests do under ``TRITON_INTERPRET=1``).
 """
 
@@ -262,8 +262,8 @@ class CUDABackend:
             self._warned.add(reason)
             warnings.warn(f"CUDABackend: falling back to the reference {what} for {reason}", UserWarning, stacklevel=4)
 
-    def _triton_reason(self, q: Tensor, heads_kv: int = 1) -> str | None:
-        """Why the Triton kernels cannot serve tensors like ``q`` (kv with ``heads_kv`` heads), or None."""
+    def _triton_reason(self, q: Tensor) -> str | None:
+        """Why the Triton kernels cannot serve tensors like ``q``, or None."""
         from cpkv.backends import triton as triton_ops
 
         if self._triton_kernels is False:
@@ -272,8 +272,6 @@ class CUDABackend:
             return "no triton package (pip install triton)"
         if q.dtype not in TRITON_DTYPES:
             return f"dtype {q.dtype} (the Triton kernels take float16/bfloat16/float32)"
-        if heads_kv != 1:
-            return f"{heads_kv} kv heads (the Triton kernel takes one shared kv head)"
         if self._triton_kernels is None and q.device.type != "cuda":
             return f"device {q.device} (Triton kernels run on CUDA devices)"
         return None
@@ -301,7 +299,7 @@ class CUDABackend:
     def _route(self, q: Tensor, k: Tensor, v: Tensor, window_size: tuple[int, int], prefer_triton: bool) -> str:
         """``"flash"``, ``"triton"`` (index-list sparse kernel) or ``"reference"`` (warned once) for a dense primitive."""
         flash_reason = self._flash_reason(q, v, window_size)
-        triton_reason = self._triton_reason(q, k.shape[1])
+        triton_reason = self._triton_reason(q)
         if v.shape[-1] > q.shape[-1]:
             triton_reason = f"D_v={v.shape[-1]} > D={q.shape[-1]}"
         if flash_reason is None and (triton_reason is not None or not prefer_triton):
@@ -316,22 +314,40 @@ class CUDABackend:
     ) -> AttentionResult:
         """Row ``t`` over kv rows ``[lo[t], hi[t])`` (at most ``width``) through the Triton sparse kernel.
 
-        k ``[n, 1, D]``, v ``[n, 1, D_v]``: when v is a view of k's leading channels (shared KV, as
+        k ``[n, H_kv, D]``, v ``[n, H_kv, D_v]``: when v is a view of k's leading channels (shared KV, as
         in V4) the kv rows are k's; otherwise ``[v, k]`` with q zero-padded in front (exact,
-        more work).
+        more work). Several kv heads (GQA/MHA) fold into the kernel's one shared head: query row
+        ``(t, g)`` (kv head ``g``'s ``H / H_kv`` query heads) lists rows ``j * H_kv + g`` of the
+        ``[n * H_kv, ...]`` kv, one launch for all heads; the sinks, which then differ per row,
+        join from the kernel's differentiable LSE (``lse_s = logaddexp(lse, sink)``, ``out *
+        exp(lse - lse_s)``), as for ``varlen_attn``.
         """
         from cpkv.backends.triton import sparse_attention_op
 
-        d_v = v.shape[-1]
-        kv = k[:, 0]
+        (num_q, heads, _), heads_kv, d_v = q.shape, k.shape[1], v.shape[-1]
+        kv = k
         leading = not torch.compiler.is_compiling() and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
         if not leading:  # values are not k's leading channels (or unknown while compiling): append them
-            kv = torch.cat([v[:, 0], k[:, 0]], -1)
+            kv = torch.cat([v, k], -1)
             q = torch.cat([q.new_zeros((*q.shape[:2], d_v)), q], -1)  # zero weights on the value copy
         rows = lo.unsqueeze(1) + torch.arange(width, device=q.device)
         indices = torch.where(rows < hi.unsqueeze(1), rows, -1)
-        out, lse = sparse_attention_op(q, kv, indices, sinks, float(scale), d_v, self.deterministic)
-        return AttentionResult(out, lse)
+        if heads_kv == 1:
+            out, lse = sparse_attention_op(q, kv[:, 0], indices, sinks, float(scale), d_v, self.deterministic)
+            return AttentionResult(out, lse)
+        group = heads // heads_kv
+        folded_q = q.reshape(num_q * heads_kv, group, q.shape[-1])  # row t * H_kv + g: head g * G + i is (g, i)
+        folded_kv = kv.reshape(kv.shape[0] * heads_kv, kv.shape[-1])
+        offsets = torch.arange(heads_kv, device=q.device)
+        folded = torch.where(indices[:, None, :] >= 0, indices[:, None, :] * heads_kv + offsets[None, :, None], -1)
+        out, lse = sparse_attention_op(folded_q, folded_kv, folded.reshape(num_q * heads_kv, width), None, float(scale),
+                                       d_v, self.deterministic)
+        result = AttentionResult(out.reshape(num_q, heads, d_v), lse.reshape(num_q, heads))
+        if sinks is None:
+            return result
+        lse_sink = torch.logaddexp(result.lse, sinks.to(result.lse.dtype))
+        scaled = (result.out.to(lse_sink.dtype) * torch.exp(result.lse - lse_sink).unsqueeze(-1)).to(out.dtype)
+        return AttentionResult(scaled, lse_sink)
 
     def _call(self, max_q: int, max_k: int, scale: float, window_size: tuple[int, int]) -> _KernelCall:
         return _KernelCall(self._varlen_attn, self._window_form, self._gqa, max_q, max_k, float(scale), window_size)
@@ -398,7 +414,7 @@ class CUDABackend:
         window_size = (ranges.left, -1)
         route = self._route(q, k, v, window_size, prefer_triton=False)
         if route == "flash" and not ranges.bottom_right:  # ranges of several documents: only lo/hi say them
-            route = "triton" if self._triton_reason(q, k.shape[1]) is None else "reference"
+            route = "triton" if self._triton_reason(q) is None else "reference"
         if route == "reference":
             return self._reference.range_attention(q, k, v, ranges, scale=scale)
         if route == "triton":

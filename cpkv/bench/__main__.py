@@ -6,7 +6,9 @@ query row against the counted ones (:mod:`cpkv.bench.kernel_work`).
 Writes ``docs/benchmarks.md`` and ``docs/benchmarks.png`` (``--out``, ``--plot``) and
 prints the same tables. ``--smoke`` runs tiny sizes (used by the tests).
 ``python -m cpkv.bench layouts [...]`` runs :mod:`cpkv.bench.layouts` instead (its section of
-``docs/benchmarks.md``, which this run keeps).
+``docs/benchmarks.md``, which this run keeps). ``python -m cpkv.bench heads`` prints the kv-heads
+table alone (:mod:`cpkv.bench.heads`: collectives, bytes and kernel calls per layer of GQA and
+MLA layers, one call per kv group before, one call per layer now).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 
 from cpkv.bench import layouts
 from cpkv.bench.balance import pad_for_zigzag, rank_work
+from cpkv.bench.heads import heads_lines, heads_table
+from cpkv.bench.heads import main as heads_main
 from cpkv.bench.indexer import main as indexer_main
 from cpkv.bench.memory import LayerDims, layer_memory
 from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
@@ -229,7 +233,7 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
            rings: dict[str, float] | None = None, scaling: list[dict[str, object]] | None = None,
            memory: dict[str, tuple[int, int]] | None = None,
            plans: dict[str, dict[str, tuple[float, float]]] | None = None,
-           keys: list[dict[str, object]] | None = None) -> str:
+           keys: list[dict[str, object]] | None = None, heads: list[dict[str, object]] | None = None) -> str:
     """The markdown report."""
     dims_key = Dims().key_dtype
     lines = [
@@ -273,6 +277,7 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
     lines += _key_dtype_lines(keys, args) if keys else []
     lines += _scaling_lines(scaling, args) if scaling else []
     lines += _memory_lines(memory) if memory else []
+    lines += heads_lines(heads, args.heads_tokens) if heads else []
     lines += _balance_lines(balance or [], args) if balance else []
     vec, host_loop, tensor_loop = planning
     lines += [
@@ -373,6 +378,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the packed batch in the scaling table")
     parser.add_argument("--key-cp", type=int, default=8, help="cp of the indexer key-dtype table")
     parser.add_argument("--plan-repeats", type=int, default=5)
+    parser.add_argument("--heads-tokens", type=int, default=4096, help="tokens per rank of the kv-heads table")
+    parser.add_argument("--heads-cp", type=int, default=8, help="cp of the kv-heads table")
     parser.add_argument("--skip-wall", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
@@ -381,6 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.tokens_per_rank, args.cps, args.mean_doc, args.plan_docs, args.wall_tokens = 512, [2, 3], 64, 256, 192
         args.scaling_cps, args.seeds, args.plan_repeats, args.key_cp = [4], 2, 1, 2
+        args.heads_tokens, args.heads_cp = 128, 2
     return args
 
 
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
     prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
-    executed work, launches and host syncs.
+    executed work, launches and host syncs; ``heads`` the kv-heads table.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
@@ -411,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         return kernels_main(argv[1:])
     if argv[:1] == ["indexer"]:
         return indexer_main(argv[1:])
+    if argv[:1] == ["heads"]:
+        return heads_main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
@@ -442,9 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         long_docs = lognormal_cu_seqlens(args.wall_tokens, args.wall_tokens // 2, seed=2)
         long_docs[-1] += -int(long_docs[-1]) % args.wall_cp
         rings = ring_times(long_docs, args.wall_cp, [1, 2, 4])
+    print("kv heads ...", file=sys.stderr)
+    heads = heads_table(args.heads_tokens, args.heads_cp)
     print("load balance ...", file=sys.stderr)
     balance = balance_table(args.tokens_per_rank, sorted({2, 3, 4, 8} | set(args.cps)), args.mean_doc)
-    report = render(traffic, planning, walls, args, balance, rings, scaling, memory, plans, keys)
+    report = render(traffic, planning, walls, args, balance, rings, scaling, memory, plans, keys, heads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"

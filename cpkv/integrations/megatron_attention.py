@@ -10,23 +10,29 @@ out as Megatron shards it (per-document zigzag over the padded cu_seqlens,
 softmax offsets (``config.softmax_type``: ``"off-by-one"``, or ``"learnable"`` with the
 ``softmax_offset`` parameter held here, as Megatron's own core attentions hold it).
 
-Heads. cpkv attends with one shared kv head ``[T, D]`` whose first ``d_v`` channels are the
-values. Megatron gives ``ng`` key and value heads (``ng == np`` MHA and MLA, ``1 < ng < np``
-GQA, ``ng == 1`` MQA), with keys and values that differ. Each kv head ``g`` runs as one cpkv
-call over its ``np / ng`` query heads (head ``h`` uses group ``h // (np / ng)``, as Megatron's
-``repeat_interleave``) with the shared kv ``[v_g, k_g]`` (``d_v = hv``) and the queries
-``[0, q_h]``: ``[0, q] . [v, k] = q . k``, so the logits, the softmax and the values are those
-of ``q``, ``k``, ``v`` (the zero channels add exact zeros). The cost: ``ng`` calls and
-all-gathers per layer of ``[T/cp, hv + hk]`` each.
+Heads. Megatron gives ``ng`` key and value heads (``ng == np`` MHA and MLA, ``1 < ng < np``
+GQA, ``ng == 1`` MQA), with keys and values that differ. They go to
+:func:`cpkv.attention_forward` as they are, in one call per layer: keys ``[t, ng, hk]`` as
+``kv``, values ``[t, ng, hv]`` as ``v`` (query head ``h`` uses kv head ``h // (np / ng)``, as
+Megatron's ``repeat_interleave``); the exchange moves all heads' keys and values in one
+collective, and the backend attends all heads in one call per segment set.
 
 MLA. In training, Megatron's ``MLASelfAttention`` gives its core attention per-head keys
 ``[t, np, qk_head_dim + qk_pos_emb_head_dim]`` and values ``[t, np, v_head_dim]`` (up-projected,
-RoPE applied): this is the ``ng == np`` case above, one call per head, exact. The absorbed
-form (queries ``[q_nope W_uk, q_pe]`` against one shared head ``[c_kv, k_pe]`` whose first
-``kv_lora_rank`` channels are the values, then ``W_uv`` per head) is cpkv's native MQA (one
-call for all heads), but Megatron forms it only in inference decoding (``value=None``) and it
-needs the up-projections moved around the core attention: call :func:`cpkv.attention_forward`
-with that ``q`` and ``kv`` from your own MLA module; here ``value=None`` raises.
+RoPE applied): the ``ng == np`` case above, one call, exact. The absorbed form (queries
+``[q_nope W_uk, q_pe]`` against one shared head ``[c_kv, k_pe]`` whose first ``kv_lora_rank``
+channels are the values, then ``W_uv`` per head) is cpkv's native shared-KV MQA, but Megatron
+forms it only in inference decoding (``value=None``) and it needs the up-projections moved
+around the core attention: call :func:`cpkv.attention_forward` with that ``q`` and ``kv`` from
+your own MLA module; here ``value=None`` raises.
+
+Exchange. ``cp_comm_type`` maps onto cpkv's exchanges (:data:`CP_COMM_TYPES`): ``"allgather"``
+/ ``"all_gather"`` -> ``"allgather"`` (every rank gathers the kv of its documents' prefixes);
+``"p2p"`` / ``"a2a"`` -> ``"need"`` (each rank receives only the kv rows its queries see, from
+the ranks that hold them: cpkv's point-to-point exchange, one ``all_to_all_single`` per layer;
+neither TransformerEngine's ring of P2P rounds nor its head-scattering all-to-all, which cpkv
+does not implement). ``None`` (Megatron's default) keeps the carried plan's exchange, else
+``"allgather"``. ``"a2a+p2p"`` (hierarchical) and anything else raise at build.
 
 The plan. Megatron passes nothing per micro-batch to its core attention but
 ``packed_seq_params``. By default every call plans from it
@@ -44,6 +50,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -54,11 +62,20 @@ from cpkv.backends import get_backend
 from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_ndim, check_tensor
 from cpkv.integrations.megatron import PackedPlan, plan_from_packed_seq_params
+from cpkv.plan.attention import Exchange
 
-__all__ = ["PLAN_ATTRIBUTE", "CPKVCoreAttention", "megatron_window", "plan_of", "with_plan"]
+__all__ = [
+    "CP_COMM_TYPES", "PLAN_ATTRIBUTE", "CPKVCoreAttention", "megatron_exchange", "megatron_window", "plan_of",
+    "use_cpkv_core_attention", "with_plan",
+]
 
 PLAN_ATTRIBUTE = "cpkv_plan"
 """The attribute of ``packed_seq_params`` that :func:`with_plan` sets to a :class:`PackedPlan`."""
+
+CP_COMM_TYPES: Mapping[str, Exchange] = MappingProxyType(
+    {"allgather": "allgather", "all_gather": "allgather", "p2p": "need", "a2a": "need"}
+)
+"""Megatron's ``cp_comm_type`` -> cpkv's exchange (module doc, "Exchange"); others raise."""
 
 _CAUSAL_MASKS = ("causal", "padding_causal")
 _SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -118,23 +135,30 @@ def _check_carried(params: object, packed: PackedPlan) -> None:
         )
 
 
-def plan_of(params: object, cp_size: int, cp_rank: int) -> PackedPlan:
+def plan_of(
+    params: object, cp_size: int, cp_rank: int, *, exchange: Exchange | None = None, window: int | None = None
+) -> PackedPlan:
     """The micro-batch's plan: the one :func:`with_plan` attached to ``params``, else planned now.
 
     Args:
         params: a THD ``PackedSeqParams`` (see :func:`~cpkv.integrations.megatron.plan_from_packed_seq_params`).
         cp_size, cp_rank: the CP group's size and this rank.
+        exchange: the layer's exchange (:func:`megatron_exchange`): a carried plan must have it;
+            ``None``: any carried plan, ``"allgather"`` when planning now.
+        window: the layer's window (planned now with ``exchange="need"``: its halo).
 
     Returns:
         :class:`~cpkv.integrations.megatron.PackedPlan` (Megatron's layout: zigzag at ``cp_size > 1``).
 
     Raises:
         TypeError: the attached plan is not a ``PackedPlan``.
-        ValueError: the attached plan was made from other cu_seqlens, or for another
-            ``(cp_size, cp_rank)``; whatever ``plan_from_packed_seq_params`` raises.
+        ValueError: the attached plan was made from other cu_seqlens, for another
+            ``(cp_size, cp_rank)`` or another exchange; whatever ``plan_from_packed_seq_params`` raises.
     """
     packed = getattr(params, PLAN_ATTRIBUTE, None)
     if packed is None:
+        if exchange == "need":
+            return plan_from_packed_seq_params(params, cp_size, cp_rank, exchange="need", windows=[window])
         return plan_from_packed_seq_params(params, cp_size, cp_rank)
     if not isinstance(packed, PackedPlan):
         raise TypeError(f"params.{PLAN_ATTRIBUTE} must be a PackedPlan (cpkv.integrations.megatron_attention.with_plan),"
@@ -145,7 +169,86 @@ def plan_of(params: object, cp_size: int, cp_rank: int) -> PackedPlan:
             f"the plan carried by packed_seq_params is for cp_size={packed.plan.cp_size}, cp_rank={packed.plan.cp_rank};"
             f" this layer's CP group has size {cp_size}, rank {cp_rank}"
         )
+    if exchange is not None and packed.plan.exchange != exchange:
+        raise ValueError(
+            f"the plan carried by packed_seq_params uses exchange={packed.plan.exchange!r} but this layer's"
+            f" cp_comm_type asks for {exchange!r}: plan_from_packed_seq_params(params, cp_size, cp_rank,"
+            f" exchange={exchange!r}{', windows=[...]' if exchange == 'need' else ''})"
+        )
     return packed
+
+
+def megatron_exchange(cp_comm_type: object) -> Exchange | None:
+    """cpkv's exchange for Megatron's ``cp_comm_type`` (:data:`CP_COMM_TYPES`), ``None`` for ``None``.
+
+    ``"allgather"`` / ``"all_gather"`` -> ``"allgather"``; ``"p2p"`` / ``"a2a"`` -> ``"need"``
+    (the rows each rank's queries see, point to point; module doc, "Exchange").
+
+    Raises:
+        ValueError: any other value (``"a2a+p2p"``, a list: Megatron passes each layer its own string).
+
+    Example:
+        >>> megatron_exchange("all_gather"), megatron_exchange("p2p"), megatron_exchange(None)
+        ('allgather', 'need', None)
+    """
+    if cp_comm_type is None:
+        return None
+    if not isinstance(cp_comm_type, str) or cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(
+            f"cp_comm_type={cp_comm_type!r} has no cpkv exchange: use one of {sorted(CP_COMM_TYPES)}"
+            " ('allgather'/'all_gather' -> cpkv's all-gather; 'p2p'/'a2a' -> cpkv's need exchange) or None"
+        )
+    return CP_COMM_TYPES[cp_comm_type]
+
+
+def use_cpkv_core_attention(spec: P, **params: Any) -> P:
+    """A deep copy of a Megatron layer or block spec with :class:`CPKVCoreAttention` as every layer's core attention.
+
+    Takes what Megatron's spec functions return: one layer's ``ModuleSpec``
+    (``get_gpt_layer_local_spec()``), a block's ``TransformerBlockSubmodules``
+    (``get_gpt_decoder_block_spec(config, ...)``: every entry of its ``layer_specs``), or a list
+    of layer specs (``get_gpt_decoder_layer_specs``). A layer's core attention is its
+    ``submodules.self_attention.submodules.core_attention`` (``SelfAttention`` and
+    ``MLASelfAttention`` alike).
+
+    Args:
+        spec: the layer spec, block spec or list of layer specs (not modified).
+        **params: :class:`CPKVCoreAttention`'s own options (``backend=...``), passed as the
+            ``ModuleSpec``'s ``params``; none: the class itself.
+
+    Returns:
+        The copy, of the same type.
+
+    Raises:
+        ValueError: no layer of ``spec`` has a core attention to replace.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> layer = NS(submodules=NS(self_attention=NS(submodules=NS(core_attention="dot-product"))))
+        >>> block = use_cpkv_core_attention(NS(layer_specs=[layer, layer]))
+        >>> [s.submodules.self_attention.submodules.core_attention.__name__ for s in block.layer_specs]
+        ['CPKVCoreAttention', 'CPKVCoreAttention']
+    """
+    copied = copy.deepcopy(spec)
+    core: Any = CPKVCoreAttention
+    if params:
+        from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        core = ModuleSpec(module=CPKVCoreAttention, params=dict(params))
+    layers = getattr(copied, "layer_specs", copied)
+    layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+    replaced = 0
+    for layer in layers:
+        attention = getattr(getattr(getattr(layer, "submodules", None), "self_attention", None), "submodules", None)
+        if attention is not None and hasattr(attention, "core_attention"):
+            attention.core_attention = core
+            replaced += 1
+    if not replaced:
+        raise ValueError(
+            f"no layer of the {type(spec).__name__} has submodules.self_attention.submodules.core_attention:"
+            " pass a layer ModuleSpec, a TransformerBlockSubmodules or a list of layer specs"
+        )
+    return copied
 
 
 def megatron_window(window_size: object, window_attn_skip_freq: object, layer_number: int) -> int | None:
@@ -222,8 +325,10 @@ class CPKVCoreAttention(nn.Module):
         softmax_scale: the logits' scale; ``None``: ``1 / sqrt(query head dim)``.
         k_channels, v_channels: key and value head dims (MLA passes them); checked against
             the tensors when given.
-        cp_comm_type: not used: cpkv all-gathers the zigzag kv (its ``"allgather"`` exchange)
-            whatever Megatron's ``"p2p"``, ``"a2a"``, ``"allgather"`` or ``"a2a+p2p"``.
+        cp_comm_type: Megatron's CP communication (:func:`megatron_exchange`): ``"allgather"`` /
+            ``"all_gather"`` -> cpkv's all-gather, ``"p2p"`` / ``"a2a"`` -> cpkv's need exchange
+            (per-call plans then carry this layer's window's halo; a plan from
+            :func:`with_plan` must have that exchange); ``None``: the carried plan's, else all-gather.
         pg_collection: Megatron's ``ProcessGroupCollection``; its ``tp`` splits the heads and its
             ``cp`` is the CP group. ``None``: Megatron's ``parallel_state`` groups.
         backend: cpkv's backend (``"auto"``: by the tensors' device), or an
@@ -233,10 +338,12 @@ class CPKVCoreAttention(nn.Module):
         softmax_offset: ``[np]`` learnable sink logits (``softmax_type == "learnable"``), a
             parameter of this module (Megatron's name); else ``None``.
         window: cpkv's window of this layer (:func:`megatron_window`), ``None`` for dense causal.
+        exchange: cpkv's exchange for ``cp_comm_type`` (:func:`megatron_exchange`), or ``None``.
 
     Raises:
         ValueError: another attention type or mask type, dropout > 0, an unknown
-            ``softmax_type``, a non-causal window, ``qk_clip``, heads not divisible by the
+            ``softmax_type``, a ``cp_comm_type`` with no cpkv exchange (``"a2a+p2p"``), a
+            non-causal window, ``qk_clip``, heads not divisible by the
             tensor-parallel size, a CP group whose size is not ``config.context_parallel_size``.
     """
 
@@ -267,6 +374,7 @@ class CPKVCoreAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.k_channels, self.v_channels = k_channels, v_channels
         self.cp_comm_type = cp_comm_type
+        self.exchange = megatron_exchange(cp_comm_type)
         self.attn_mask_type = attn_mask_type
         self.backend = backend
         self.window = megatron_window(config.window_size, config.window_attn_skip_freq, self.layer_number)
@@ -378,20 +486,16 @@ class CPKVCoreAttention(nn.Module):
         params_group = getattr(packed_seq_params, "cp_group", None)
         if params_group is not None and params_group is not self.cp_group:
             raise ValueError("packed_seq_params.cp_group is not this layer's CP group (dynamic CP is not supported)")
-        packed = plan_of(packed_seq_params, self.cp_group.size(), self.cp_group.rank())
+        packed = plan_of(packed_seq_params, self.cp_group.size(), self.cp_group.rank(), exchange=self.exchange,
+                         window=self.window)
         scale = self.softmax_scale if self.softmax_scale is not None else hk ** -0.5
         spec = AttentionSpec(d_v=hv, window=self.window, scale=scale)
         sinks = self._sinks(query)
-        ops = self._ops(query.device)
-        per_group = num_heads // groups
-        outs = []
-        for g in range(groups):
-            heads = slice(g * per_group, (g + 1) * per_group)
-            q = torch.cat([query.new_zeros(t, per_group, hv), query[:, heads]], dim=-1)
-            kv = torch.cat([value[:, g], key[:, g]], dim=-1)
-            group_sinks = None if sinks is None else sinks[heads].to(query.dtype)
-            outs.append(attention_forward(q, kv, packed.plan, self.cp_group, spec=spec, sinks=group_sinks, backend=ops).out)
-        out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
+        if sinks is not None:
+            sinks = sinks.to(query.dtype)
+        # All ng kv heads in one call: one exchange of keys and values, one kernel call per segment set.
+        out = attention_forward(query, key, packed.plan, self.cp_group, spec=spec, v=value, sinks=sinks,
+                                backend=self._ops(query.device)).out
         return out.reshape(t, num_heads * hv)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple[tuple[int, int, int], ...] = (),

@@ -307,6 +307,22 @@ def test_varlen_matches_reference(window: int | None) -> None:
     torch.testing.assert_close(got.lse, want.lse.float())
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_varlen_attends_every_kv_head_in_one_call(window: int | None) -> None:
+    """GQA: npu_fusion_attention's N1 query heads over N2 kv heads (head_num = N1), one call per segment set."""
+    segments = _plan()
+    q, _, _, sinks = _varlen_inputs(segments)
+    gen = torch.Generator().manual_seed(2)
+    t_kv = int(segments.cu_seqlens_kv[-1])
+    k, v = torch.randn(t_kv, 2, 16, generator=gen, dtype=torch.float64), torch.randn(t_kv, 2, 12, generator=gen, dtype=torch.float64)
+    stand_in = StandInTorchNPU()
+    got = _npu(stand_in).varlen_attention(q, k, v, segments, scale=0.3, window=window, sinks=sinks)
+    want = ReferenceBackend().varlen_attention(q, k, v, segments, scale=0.3, window=window, sinks=sinks)
+    assert stand_in.calls == ["npu_fusion_attention"]
+    torch.testing.assert_close(got.out, want.out)
+    torch.testing.assert_close(got.lse, want.lse.float())
+
+
 def test_more_than_1k_segments_are_split() -> None:
     lengths = [1 + i % 3 for i in range(1500)]  # 1500 documents, 3000 tokens
     segments = _segments(lengths, 1, 0)

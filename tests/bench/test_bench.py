@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cpkv.bench.__main__ import main
+from cpkv.bench.heads import HeadsCase, layer_calls
 from cpkv.bench.layouts import BEGIN, END, StackRows, allgather_bytes, existing_section, limit_rows, make_layout, replace_section
 from cpkv.bench.planning import attention_planning_times, loop_plan, planning_times, random_documents, tensor_loop_plan
 from cpkv.bench.traffic import Dims, layer_traffic, physical_limit
@@ -152,3 +153,15 @@ def test_layouts_smoke_run_writes_its_section_and_keeps_the_rest(tmp_path: Path)
     assert "| one document | 4 | balanced | 0 | 1.000 |" in text and "| one document | 4 | contiguous | 0 |" in text
     assert existing_section(text).startswith(BEGIN) and png.exists()
     assert replace_section("# B\n", existing_section(text)) == "# B\n\n" + existing_section(text)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "need"])
+def test_kv_heads_move_in_one_collective_and_one_kernel_call(exchange: str) -> None:
+    """The kv-heads table's counts: one kernel call and one collective pair for all kv heads, the per-group
+    baseline one of each per group, the same bytes (all heads' keys and values either way)."""
+    case = HeadsCase("gqa", 8, 4, 16, 8)
+    cu = torch.tensor([0, 64 * 2])
+    before = layer_calls(case, cu, 2, 1, exchange, per_group=True, window=16)  # type: ignore[arg-type]
+    after = layer_calls(case, cu, 2, 1, exchange, per_group=False, window=16)  # type: ignore[arg-type]
+    assert (after.collectives, after.kernels) == (2, 1) and (before.collectives, before.kernels) == (8, 4)
+    assert before.bytes == after.bytes > 0

@@ -16,6 +16,13 @@ The block check runs two micro-batches, each with its plan carried in its
 backward. A V4 INDEXER layer (cpkv.v4) at cp 2 on a padded batch planned from
 ``PackedSeqParams`` checks that padding does not count in the indexer loss.
 
+The kv heads: a sweep of 16-query-head layers over 1 (MQA), 2, 4, 8 (GQA) and 16 (MHA) kv
+heads, and the MLA layer (per-head keys and values), each at cp 2, 3 and 4 (one spawn per cp),
+with windows, learnable or off-by-one offsets, padding and every ``cp_comm_type`` cpkv maps
+(``None``, ``"p2p"``, ``"all_gather"``, ``"a2a"``: both exchanges), built from
+``get_gpt_decoder_block_spec`` through ``use_cpkv_core_attention``. Their cpkv collectives are
+counted: a GQA layer makes those of an MQA one (one all-gather and its reduce-scatter).
+
 The zigzag rows are written here with plain loops over documents (TransformerEngine's
 ``thd_get_partitioned_indices``: rank r holds chunks r and 2cp-1-r of every padded document),
 independently of cpkv's sharding.
@@ -55,8 +62,9 @@ from cpkv.launch import spawn
 pytest.importorskip("megatron.core", reason="megatron-core (test extra) is missing")
 
 from cpkv.integrations.megatron import plan_from_packed_seq_params  # noqa: E402
+from cpkv.commstats import count_bytes  # noqa: E402
 from cpkv.integrations.megatron_attention import (  # noqa: E402
-    PLAN_ATTRIBUTE, CPKVCoreAttention, megatron_window, plan_of, with_plan,
+    PLAN_ATTRIBUTE, CPKVCoreAttention, megatron_exchange, megatron_window, plan_of, use_cpkv_core_attention, with_plan,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")  # megatron-core's TransformerConfig
@@ -68,6 +76,22 @@ TOL = 1e-11
 REAL = [5, 11, 0, 8, 3, 0, 6]
 PADDED = [8, 12, 0, 8, 4, 4, 8]
 REAL_2, PADDED_2 = [17, 2, 9], [20, 4, 12]  # a second micro-batch, laid out otherwise
+WIDE_CPS = [3, 4]  # one more spawn per cp: the heads sweep and MLA
+# The heads sweep: 16 query heads over ng kv heads (MQA, GQA 2/4/8, MHA), each with its
+# cp_comm_type (None: all-gather; "p2p"/"a2a": the need exchange), window (left) and softmax.
+HEADS_SWEEP: dict[str, tuple[int, str | None, int | None, str]] = {
+    "mqa": (1, None, 5, "learnable"),
+    "gqa2": (2, "p2p", 5, "off-by-one"),
+    "gqa4": (4, None, 5, "learnable"),
+    "gqa8": (8, "all_gather", None, "learnable"),
+    "mha": (16, "a2a", 3, "vanilla"),
+}
+
+
+def _padded(real: list[int], cp: int) -> list[int]:
+    """TE-style padding of ``real`` to multiples of 2*cp; the empty document 5 is padded to one whole 2*cp (all padding)."""
+    multiple = 2 * cp
+    return [multiple if (i == 5 and n == 0) else -(-n // multiple) * multiple for i, n in enumerate(real)]
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -98,7 +122,7 @@ def _megatron() -> SimpleNamespace:
         from megatron.core import parallel_state
         from megatron.core.fusions.fused_softmax import SoftmaxOne
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
         from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.enums import AttnMaskType
@@ -188,7 +212,7 @@ class MicroBatch(NamedTuple):
 
 
 def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, batches: list[MicroBatch],
-             group: Any) -> dict[str, float]:
+             group: Any, cp: int = CP) -> dict[str, float]:
     """Run every micro-batch forward on both sides, then one backward of their summed losses; this rank's errors.
 
     Errors: of the real rows' outputs and input gradients, of every parameter gradient summed
@@ -196,7 +220,7 @@ def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, 
     """
     cp_loss, ref_loss, kept = 0.0, 0.0, []
     for i, mb in enumerate(batches):
-        unpadded, _ = _zigzag_rows(mb.real, mb.padded, CP, rank)
+        unpadded, _ = _zigzag_rows(mb.real, mb.padded, cp, rank)
         rows = torch.tensor(unpadded)
         real, pad = torch.nonzero(rows >= 0).flatten(), torch.nonzero(rows < 0).flatten()
         gen = torch.Generator().manual_seed(100 + 10 * i + rank)
@@ -233,9 +257,9 @@ def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, 
     return {f"{name}/{key}": value for key, value in errors.items()}
 
 
-def _groups(mc: SimpleNamespace, rank: int) -> tuple[Any, Any]:
-    """Megatron's groups at cp = CP (parallel_state) and a one-rank collection for the single-process reference."""
-    singles = [dist.new_group([r]) for r in range(CP)]
+def _groups(mc: SimpleNamespace, rank: int, cp: int = CP) -> tuple[Any, Any]:
+    """Megatron's groups at cp (parallel_state) and a one-rank collection for the single-process reference."""
+    singles = [dist.new_group([r]) for r in range(cp)]
     one = singles[rank]
     fields = ("tp", "pp", "cp", "tp_cp", "mp", "embd", "pos_embd", "dp", "dp_cp", "ep", "expt_tp", "tp_ep",
               "tp_ep_pp", "expt_dp", "tp_dp_cp")
@@ -334,7 +358,7 @@ def _block_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[st
     return _compare("block", rank, block, ref, batches, pgs[0].cp)
 
 
-def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str, float]:
+def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any], cp: int = CP) -> dict[str, float]:
     """An MLA TransformerLayer (per-head keys qk 6 + rope 4, values 5; q and kv low rank), learnable offsets."""
     options: dict[str, Any] = dict(
         multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6, qk_pos_emb_head_dim=4,
@@ -348,20 +372,72 @@ def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dict[str,
     # extension module imports) with TELinear = None, and isinstance(..., None) fails: unset it.
     with mock.patch("torch.cuda.current_device", return_value="cpu"), \
             mock.patch("megatron.core.transformer.multi_latent_attention.HAVE_TE", False):
-        layer, ref = _layer_pair(mc, spec, pgs, _config(mc, CP, mc.MLATransformerConfig, **options),
+        layer, ref = _layer_pair(mc, spec, pgs, _config(mc, cp, mc.MLATransformerConfig, **options),
                                  _config(mc, 1, mc.MLATransformerConfig, **options))
         assert layer.self_attention.core_attention.v_channels == 5
-        params, params_ref = _params(mc, REAL, PADDED), _params(mc, REAL, None)
+        padded = _padded(REAL, cp)
+        params, params_ref = _params(mc, REAL, padded), _params(mc, REAL, None)
         gen = torch.Generator().manual_seed(9)
         x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
         w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
         batch = MicroBatch(
-            REAL, PADDED,
+            REAL, padded,
             lambda x: layer(x, attention_mask=None, packed_seq_params=params)[0],
             lambda x: ref(x, attention_mask=None, packed_seq_params=params_ref)[0],
             x_full, w_full,
         )
-        return _compare("mla", rank, layer, ref, [batch], pgs[0].cp)
+        with count_bytes() as counter:
+            errors = _compare("mla", rank, layer, ref, [batch], pgs[0].cp, cp)
+        return {**errors, "mla/collectives": float(counter.num_calls)}
+
+
+def _heads_case(mc: SimpleNamespace, rank: int, cp: int, pgs: tuple[Any, Any], name: str) -> dict[str, float]:
+    """A TransformerLayer with 16 query heads over HEADS_SWEEP[name]'s kv heads, cp_comm_type, window and softmax.
+
+    Built from a block spec through ``use_cpkv_core_attention`` (the cp side) on a padded batch;
+    the layer's collectives (forward + backward) and bytes are counted.
+    """
+    groups, comm, left, softmax = HEADS_SWEEP[name]
+    options: dict[str, Any] = dict(num_attention_heads=16, num_query_groups=groups, kv_channels=4, hidden_size=32,
+                                   window_size=None if left is None else (left, 0), softmax_type=softmax)
+    config_cp = _config(mc, cp, cp_comm_type=comm, **options)
+    spec = mc.get_gpt_decoder_block_spec(config_cp, use_transformer_engine=False)
+    cp_spec = use_cpkv_core_attention(spec).layer_specs[0]
+    ref_spec = copy.deepcopy(spec.layer_specs[0])
+    ref_spec.submodules.self_attention.submodules.core_attention = DenseCoreAttention
+    torch.manual_seed(groups)
+    ref = mc.build_module(ref_spec, config=_config(mc, 1, **options), layer_number=1, pg_collection=pgs[1]).double()
+    layer = mc.build_module(cp_spec, config=config_cp, layer_number=1).double()
+    with torch.no_grad():
+        for module in (ref, layer):
+            for pname, p in module.named_parameters():
+                if pname.endswith("softmax_offset"):
+                    p.copy_(torch.linspace(-1.0, 1.5, p.numel(), dtype=p.dtype))
+    layer.load_state_dict(ref.state_dict())
+    core = layer.self_attention.core_attention
+    assert isinstance(core, CPKVCoreAttention) and core.exchange == megatron_exchange(comm)
+    padded = _padded(REAL, cp)
+    emb = _rope(mc, 4, max(padded))
+    params, params_ref = _params(mc, REAL, padded), _params(mc, REAL, None)
+    gen = torch.Generator().manual_seed(20 + groups)
+    x_full = torch.randn(sum(REAL), 1, 32, generator=gen, dtype=torch.float64)
+    w_full = torch.randn(sum(REAL), 1, 32, generator=gen, dtype=torch.float64)
+    batch = MicroBatch(
+        REAL, padded,
+        lambda x: layer(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params)[0],
+        lambda x: ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)[0],
+        x_full, w_full,
+    )
+    with count_bytes() as counter:
+        errors = _compare(name, rank, layer, ref, [batch], pgs[0].cp, cp)
+    return {**errors, f"{name}/collectives": float(counter.num_calls), f"{name}/bytes": float(counter.total)}
+
+
+def _heads_checks(mc: SimpleNamespace, rank: int, cp: int, pgs: tuple[Any, Any]) -> dict[str, float]:
+    results: dict[str, float] = {}
+    for name in HEADS_SWEEP:
+        results.update(_heads_case(mc, rank, cp, pgs, name))
+    return results
 
 
 def _indexer_padding_case(rank: int, group: Any) -> dict[str, float]:
@@ -448,6 +524,21 @@ def _all_checks(rank: int, world: int) -> dict[str, float]:
         results.update(_mla_case(mc, rank, pgs))
         results.update(_indexer_padding_case(rank, pgs[0].cp))
         results.update(_padding_disagreement_case(rank, pgs[0].cp))
+        results.update(_heads_checks(mc, rank, world, pgs))
+        mc.parallel_state.destroy_model_parallel()
+    return results
+
+
+def _wide_checks(rank: int, world: int) -> dict[str, float]:
+    """The heads sweep and MLA at cp = world (3 or 4)."""
+    torch.set_default_dtype(torch.float64)
+    mc = _megatron()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mc.parallel_state.initialize_model_parallel(context_parallel_size=world)
+        pgs = _groups(mc, rank, world)
+        results = _heads_checks(mc, rank, world, pgs)
+        results.update(_mla_case(mc, rank, pgs, world))
         mc.parallel_state.destroy_model_parallel()
     return results
 
@@ -455,6 +546,42 @@ def _all_checks(rank: int, world: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def cp_results() -> list[dict[str, float]]:
     return spawn(_all_checks, CP, timeout=240.0)
+
+
+@pytest.fixture(scope="module", params=WIDE_CPS)
+def wide_results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, float]]]:
+    return request.param, spawn(_wide_checks, request.param, timeout=300.0)
+
+
+def _assert_matches(results: list[dict[str, float]], case: str) -> None:
+    """Every rank's errors of ``case`` within TOL, padding rows exactly zero, real values compared."""
+    for rank, errors in enumerate(results):
+        mine = {k.split("/", 1)[1]: v for k, v in errors.items() if k.startswith(case + "/")}
+        assert mine["out"] <= TOL and mine["dx"] <= TOL and mine["dparams"] <= TOL, (case, rank, mine)
+        assert mine["dx_padding"] == 0.0, (case, rank, mine)
+        assert mine["num_params"] >= 8 and mine["out_scale"] > 0.1, (case, mine)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", [*HEADS_SWEEP, "mla"])
+def test_kv_heads_through_megatron_layers_at_cp2_to_4(cp_results: list[dict[str, float]],
+                                                      wide_results: tuple[int, list[dict[str, float]]], case: str) -> None:
+    """MQA, GQA 2/4/8, MHA (16 query heads) and MLA's per-head keys and values, one attention_forward per layer."""
+    for cp, results in ((CP, cp_results), wide_results):
+        _assert_matches(results, case)
+        padding = sum(_padded(REAL, cp)) - sum(REAL)
+        assert sum(errors[f"{case}/padding_rows"] for errors in results) == padding, (cp, case)
+
+
+@pytest.mark.timeout(300)
+def test_a_gqa_layer_makes_the_collectives_of_an_mqa_one(cp_results: list[dict[str, float]],
+                                                         wide_results: tuple[int, list[dict[str, float]]]) -> None:
+    """All kv heads travel in one all-gather (and its reduce-scatter): 2 collectives per layer forward + backward
+    at 1, 4 and 128-style per-head kv (MLA), bytes proportional to the kv heads."""
+    for cp, results in ((CP, cp_results), wide_results):
+        for errors in results:
+            assert errors["mqa/collectives"] == errors["gqa4/collectives"] == errors["mla/collectives"] == 2.0, (cp, errors)
+            assert errors["gqa4/bytes"] == 4 * errors["mqa/bytes"] > 0, (cp, errors)
 
 
 @pytest.mark.parametrize("case", ["gqa", "block", "mla", "indexer"])
@@ -533,6 +660,8 @@ def _build(config: Any = None, **kwargs: Any) -> CPKVCoreAttention:
         ({}, dict(pg_collection=_pgs(cp=4)), "CP group has size 4"),
         (dict(num_attention_heads=6, num_query_groups=3, kv_channels=4), dict(pg_collection=_pgs(tp=2)),
          "multiples of the tensor-parallel size 2"),
+        ({}, dict(cp_comm_type="a2a+p2p"), r"cp_comm_type='a2a\+p2p' has no cpkv exchange"),
+        ({}, dict(cp_comm_type=["p2p"]), "has no cpkv exchange"),
     ],
 )
 def test_unsupported_configurations_raise(config_overrides: dict[str, Any], kwargs: dict[str, Any], match: str) -> None:
@@ -615,3 +744,42 @@ def test_with_plan_carries_the_plan_and_checks_it() -> None:
     with pytest.raises(TypeError, match="must be a PackedPlan"):
         plan_of(other, 2, 1)
 
+
+
+@pytest.mark.parametrize(("comm", "exchange"), [("allgather", "allgather"), ("all_gather", "allgather"), ("p2p", "need"),
+                                                ("a2a", "need"), (None, None)])
+def test_cp_comm_type_maps_onto_an_exchange(comm: str | None, exchange: str | None) -> None:
+    assert megatron_exchange(comm) == exchange
+    assert _build(cp_comm_type=comm).exchange == exchange
+
+
+def test_a_carried_plan_must_have_the_layers_exchange() -> None:
+    mc = _megatron()
+    params = _params(mc, REAL, PADDED)
+    carried = with_plan(params, plan_from_packed_seq_params(params, 2, 1))  # all-gather
+    assert plan_of(carried, 2, 1, exchange="allgather").plan.exchange == "allgather"
+    with pytest.raises(ValueError, match="uses exchange='allgather' but this layer's cp_comm_type asks for 'need'"):
+        plan_of(carried, 2, 1, exchange="need", window=4)
+    planned = plan_of(params, 2, 1, exchange="need", window=4)  # planned per call: the layer's window's halo
+    assert planned.plan.exchange == "need" and 4 in planned.plan.kv
+
+
+def test_use_cpkv_core_attention_swaps_every_layer_of_a_block_spec() -> None:
+    mc = _megatron()
+    config = _plain_config(num_layers=3, num_query_groups=2)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    # get_gpt_decoder_block_spec's result (it needs Megatron's parallel state: the cp runs above build from it)
+    block = TransformerBlockSubmodules(layer_specs=get_gpt_decoder_layer_specs(config, use_transformer_engine=False))
+    swapped = use_cpkv_core_attention(block)
+    assert type(swapped) is type(block) and len(swapped.layer_specs) == 3
+    assert all(s.submodules.self_attention.submodules.core_attention is CPKVCoreAttention for s in swapped.layer_specs)
+    assert all(s.submodules.self_attention.submodules.core_attention is not CPKVCoreAttention for s in block.layer_specs)
+    with_options = use_cpkv_core_attention(list(block.layer_specs), backend="reference")
+    core = with_options[0].submodules.self_attention.submodules.core_attention
+    assert core.module is CPKVCoreAttention and core.params == {"backend": "reference"}
+    layer = use_cpkv_core_attention(mc.get_gpt_layer_local_spec(multi_latent_attention=True))  # MLA's submodules too
+    assert layer.submodules.self_attention.submodules.core_attention is CPKVCoreAttention
+    with pytest.raises(ValueError, match="no layer of the dict has"):
+        use_cpkv_core_attention({"layers": []})
