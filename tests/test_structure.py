@@ -84,3 +84,22 @@ def test_the_checker_finds_a_circle() -> None:
 
 def test_notebook_helpers_are_not_in_the_wheel() -> None:
     assert not (PACKAGE / "tutorial.py").exists()
+
+
+def test_nothing_outside_the_tests_imports_the_test_suite() -> None:
+    """Scripts, benchmarks, examples and the package import no ``tests`` module (shared cases live in cpkv.bench)."""
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for folder in ("cpkv", "scripts", "benchmarks", "examples"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                offenders += [f"{path.relative_to(root)}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not offenders
+
+
+def test_each_script_name_is_used_once() -> None:
+    """Two scripts of one file name (e.g. two compile_report.py) would be two jobs under one name."""
+    root = Path(__file__).resolve().parents[1]
+    names = [p.name for folder in ("scripts", "benchmarks") for p in (root / folder).glob("*.py")]
+    assert len(names) == len(set(names)), sorted(names)

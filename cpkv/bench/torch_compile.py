@@ -1,0 +1,165 @@
+"""``torch.compile(fullgraph=True)`` of every layer case on gloo ranks, against eager.
+
+``python -m cpkv.bench.torch_compile [--backend inductor|aot_eager] [--cp 2]`` prints, for each
+compress mode x layout x exchange (ring rounds included), through ``V4Attention.forward`` and
+through ``attention_forward`` itself: whether the call compiled as one graph
+(``fullgraph=True`` raises on any graph break, so "yes" means 0 breaks), the seconds of the
+first compiled call (compile + run, forward and backward, rank 0) and the max relative error
+of outputs and gradients against eager. The case list and the per-rank runners live here, so
+that tests/test_compile.py (a cover of the cases, with ``aot_eager``) and this report run the
+same code. (``benchmarks/compile_report.py`` is another job: the Triton kernels compiled for
+sm_90a.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from typing import Any
+
+import torch
+
+from cpkv.attention import AttentionSpec, attention_forward
+from cpkv.launch import RankError, spawn
+from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
+from cpkv.v4 import V4Attention, V4Config
+
+__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "main"]
+
+MODES = {
+    "window": V4Config(compress_ratio=0, window=8),
+    "dense": V4Config(compress_ratio=0, window=None),
+    "compressor": V4Config(compress_ratio=8, window=8),
+    "indexer": V4Config(compress_ratio=4, window=8, topk=3),
+}
+LENGTHS = {"contiguous": [5, 0, 23, 3, 17], "zigzag": [16, 0, 32], "balanced": [5, 0, 23, 3, 17]}  # 48 tokens; zigzag: multiples of 2*cp (cp <= 4)
+LAYOUTS = [(layout, exchange, 1) for layout in LENGTHS for exchange in ("allgather", "need")] + [
+    (layout, "need", 2) for layout in LENGTHS
+]
+ALL_CASES = [(mode, *layout) for mode in MODES for layout in LAYOUTS]
+# CI compiles a cover of every mode, layout and exchange (the full table: python -m cpkv.bench.torch_compile).
+CASES = [
+    ("window", "contiguous", "need", 2), ("dense", "zigzag", "allgather", 1), ("compressor", "contiguous", "need", 1),
+    ("indexer", "contiguous", "allgather", 1), ("indexer", "contiguous", "need", 2),
+    ("indexer", "zigzag", "need", 1), ("indexer", "balanced", "need", 2),
+]
+
+
+def case_id(mode: str, layout: str, exchange: str, ring: int) -> str:
+    return f"{mode}/{layout}/{exchange}" + (f"/ring{ring}" if ring > 1 else "")
+
+
+def attention_call(layer: V4Attention, x: torch.Tensor, plan: Any, group: Any, *, backend: str, grad_scale: float) -> Any:
+    """``attention_forward`` itself (what a user's own module calls), with the layer's projections outside."""
+    q, kv = layer.project(x, plan.q_positions)
+    return attention_forward(
+        q, kv, plan, group, spec=layer.config.spec, sinks=layer.sinks, hidden=x, compressor=layer.compressor,
+        indexer=layer.indexer, backend=backend, grad_scale=grad_scale,  # type: ignore[arg-type]
+    )
+
+
+def _call(layer: V4Attention, fn: Any, x: torch.Tensor, plan: Any, grad: torch.Tensor) -> list[torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out = fn(x, plan, None, backend="reference", grad_scale=2.0).out
+    if out.ndim == 3:  # attention_forward's [T, H, d_v]: reduce with a fixed projection
+        out = out.flatten(1) @ torch.ones(out.shape[1] * out.shape[2], grad.shape[1])
+    out.backward(grad)
+    assert x.grad is not None
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.parameters()]
+    return [out.detach(), x.grad, *grads]
+
+
+def compile_cases(
+    rank: int, world: int, cases: list[tuple[str, str, str, int]], backend: str, target: str = "layer"
+) -> dict[str, Any]:
+    """Per case: max relative error compiled vs eager, compile+first-call seconds, and graph breaks."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._dynamo.config.cache_size_limit = 64
+    torch._inductor.config.fx_graph_cache = False  # always compile what the current ops are
+    results: dict[str, Any] = {}
+    for mode, layout, exchange, ring in cases:
+        config = MODES[mode]
+        cu = seqlens_to_cu_seqlens(LENGTHS[layout])
+        gen = torch.Generator().manual_seed(3)
+        x_all, g_all = torch.randn(48, 64, generator=gen), torch.randn(48, 64, generator=gen)
+        ratios = [config.compress_ratio] if config.mode.compresses else []
+        plan = plan_attention(
+            cu, world, rank, layout=layout, exchange=exchange, ring_degree=ring,  # type: ignore[arg-type]
+            compress_ratios=ratios, windows=[config.window],
+        )
+        shard = plan.shard
+        layer = V4Attention(config, seed=5)
+        fn = layer.forward if target == "layer" else functools.partial(attention_call, layer)
+        eager = _call(layer, fn, shard(x_all), plan, shard(g_all))
+        torch._dynamo.reset()
+        compiled_fn = torch.compile(fn, fullgraph=True, backend=backend)
+        start = time.perf_counter()
+        compiled = _call(layer, compiled_fn, shard(x_all), plan, shard(g_all))
+        seconds = time.perf_counter() - start
+        errors = [float((c - e).abs().max() / e.abs().max().clamp(min=1e-12)) for c, e in zip(compiled, eager)]
+        results[case_id(mode, layout, exchange, ring)] = {"error": max(errors), "seconds": seconds}
+    return results
+
+
+GQA_CASES = [("zigzag", "allgather", 1), ("contiguous", "need", 2)]  # kv heads: 4 query heads over 2 kv heads
+
+
+def compile_gqa(rank: int, world: int, cases: list[tuple[str, str, int]], backend: str) -> dict[str, Any]:
+    """``attention_forward`` with kv heads (keys ``[T/cp, 2, 16]``, values ``[T/cp, 2, 8]``, window, sinks), compiled vs eager."""
+    import torch._dynamo
+
+    results: dict[str, Any] = {}
+    for layout, exchange, ring in cases:
+        plan = plan_attention(seqlens_to_cu_seqlens(LENGTHS[layout]), world, rank, layout=layout,  # type: ignore[arg-type]
+                              exchange=exchange, ring_degree=ring, windows=[8])  # type: ignore[arg-type]
+        gen = torch.Generator().manual_seed(4)
+        inputs = [plan.shard(torch.randn(48, *shape, generator=gen)) for shape in ((4, 16), (2, 16), (2, 8))]
+        sinks, grad = torch.randn(4, generator=gen), plan.shard(torch.randn(48, 4, 8, generator=gen))
+        spec = AttentionSpec(d_v=8, window=8)
+
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = attention_forward(q, k, plan, None, spec=spec, v=v, sinks=s, backend="reference").out
+            return out
+
+        def run(fn: Any) -> list[torch.Tensor]:
+            leaves = [x.clone().requires_grad_(True) for x in (*inputs, sinks)]
+            out = fn(*leaves)
+            out.backward(grad)
+            return [out.detach(), *(x.grad for x in leaves)]
+
+        eager = run(call)
+        torch._dynamo.reset()
+        compiled = run(torch.compile(call, fullgraph=True, backend=backend))  # fullgraph: any graph break raises
+        errors = [float((c - e).abs().max() / e.abs().max().clamp(min=1e-12)) for c, e in zip(compiled, eager)]
+        results[f"gqa:{layout}/{exchange}" + (f"/ring{ring}" if ring > 1 else "")] = {"error": max(errors)}
+    return results
+
+
+def main() -> int:
+    """Compile every case on ``--cp`` gloo ranks and print the table; 1 if any case failed to compile as one graph."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    parser.add_argument("--cp", type=int, default=2, choices=[1, 2, 3, 4])
+    args = parser.parse_args()
+    print(f"| case | fullgraph | graph breaks | first call s ({args.backend}) | max rel. error vs eager |")
+    print("|---|---|---|---|---|")
+    failed = False
+    for target in ("layer", "attention"):
+        for case in ALL_CASES:
+            name = ("V4Attention.forward " if target == "layer" else "attention_forward ") + case_id(*case)
+            try:
+                result = spawn(compile_cases, args.cp, [case], args.backend, target, timeout=900.0)[0]
+                row = next(iter(result.values()))
+                print(f"| {name} | yes | 0 | {row['seconds']:.1f} | {row['error']:.1e} |", flush=True)
+            except RankError as err:
+                failed = True
+                print(f"| {name} | no | - | - | {str(err).splitlines()[-1][:80]} |", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
