@@ -28,7 +28,7 @@ from cpkv.plan.balance import DEFAULT_MAX_TOKENS_RATIO, balanced_layout, rank_co
 from cpkv.plan.cost import CostModel
 from cpkv.plan.conventions import validate_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, contiguous_layout, expand_ranges, zigzag_layout
-from cpkv.plan.need import Partition, compressed_need, kv_need, token_partition
+from cpkv.plan.need import compressed_need, cut_at_parts, kv_need, token_partition
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.plan.routes import CompressedRoutes, KVSource, RingRound
 from cpkv.plan.segments import EntryVisibility, SegmentPlan, plan_segments
@@ -231,8 +231,9 @@ def _gather_rows(layout: ShardLayout, rank: int, gather_len: int) -> Tensor:
     """
     starts, ends = layout.ranges_of(rank)
     doc_start = layout.cu_seqlens.index_select(0, layout.documents[int(layout.offsets[rank]):int(layout.offsets[rank + 1])])
-    owner, local = token_partition(layout).locate(expand_ranges(doc_start, ends))
-    return owner * gather_len + local
+    pieces = cut_at_parts(doc_start, ends, token_partition(layout))  # runs of one holder's consecutive rows
+    first = pieces.src * gather_len + pieces.row
+    return expand_ranges(first, first + (pieces.hi - pieces.lo))
 
 
 def shard_layout(
