@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
-from cpkv.collectives import Group, check_group
+from cpkv.collectives import Group, check_group, check_same_on_all_ranks
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.conventions import validate_cu_seqlens
 
 __all__ = [
     "GradReduction",
+    "check_given_plan",
     "causal_lm_loss",
     "cu_seqlens_from_position_ids",
     "global_valid_count",
@@ -247,3 +248,29 @@ def causal_lm_loss(
     compute = torch.promote_types(logits.dtype, torch.float32)
     total = F.cross_entropy(logits.to(compute), labels.to(logits.device).long(), ignore_index=ignore_index, reduction="sum")
     return total * scale / count.clamp(min=1).to(compute)
+
+
+def check_given_plan(plan: object, cu_seqlens: Tensor, group: Group, *, check_ranks: bool = True) -> AttentionPlan:
+    """``plan``, checked to be this rank's plan of the batch ``cu_seqlens`` (made beforehand, e.g. in a data loader).
+
+    Its group position and token count must be this rank's and the batch's; with
+    ``check_ranks`` every rank compares its ``cu_seqlens`` and plan options (two small
+    all-reduces; every rank raises when any differs).
+
+    Raises:
+        TypeError: not an :class:`~cpkv.AttentionPlan`. ValueError: a plan of another rank,
+            group size or batch; ranks that disagree.
+    """
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan (cpkv.plan_attention), got {type(plan).__name__}")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (plan.cp_size, plan.cp_rank) != (size, rank):
+        raise ValueError(f"plan is rank {plan.cp_rank} of {plan.cp_size}, but this is rank {rank} of the group's {size}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if plan.num_tokens != int(cu[-1]) or not torch.equal(plan.layout_ranges.cu_seqlens, cu):
+        raise ValueError(f"plan was made for other documents ({plan.num_tokens} tokens) than this batch ({int(cu[-1])} tokens)")
+    if check_ranks:
+        check_same_on_all_ranks(cu, dist.group.WORLD if group is None else group,
+                                options=[plan.layout_ranges.cp_size, *plan.layout_ranges.starts.tolist(), -7,
+                                         *plan.layout_ranges.ranks.tolist()])
+    return plan

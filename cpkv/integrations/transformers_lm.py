@@ -35,6 +35,7 @@ from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.collectives import Group, check_group
 from cpkv.integrations.causal_lm import (
     GradReduction,
+    check_given_plan,
     causal_lm_loss,
     cu_seqlens_from_position_ids,
     global_valid_count,
@@ -239,6 +240,7 @@ def deepseek_v4_causal_lm_loss(
     exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
     num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
     grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
+    plan: AttentionPlan | None = None,
 ) -> DeepseekV4CausalLMOutput:
     """One micro-batch of a CP-enabled ``DeepseekV4ForCausalLM``: the whole packed batch in, this rank's loss out.
 
@@ -276,6 +278,11 @@ def deepseek_v4_causal_lm_loss(
         indexer_loss, grad_scale, backend: as in
             :func:`~cpkv.integrations.transformers.deepseek_v4_attention`.
         check_ranks: compare the ranks' batches in the plan (two small all-reduces).
+        plan: this rank's plan of this batch made beforehand (e.g. by
+            :class:`~cpkv.integrations.collate.PackedCPCollator` in a data-loader worker, with
+            :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`), used instead of
+            planning here (``layout`` and ``exchange`` are then the plan's); ``check_ranks``
+            still compares the ranks' ``cu_seqlens``.
 
     Returns:
         :class:`DeepseekV4CausalLMOutput`.
@@ -294,10 +301,13 @@ def deepseek_v4_causal_lm_loss(
     ids = _flat_ids("input_ids", input_ids)
     cu = _cu_seqlens(ids, cu_seqlens, position_ids)
     scale = grad_reduction_scale(grad_reduction, group)
-    plan = plan_attention(
-        cu, dist.get_world_size(group), dist.get_rank(group), layout=layout, exchange=exchange,
-        group=dist.group.WORLD if group is None else group, check_ranks=check_ranks, **deepseek_v4_plan_options(config),
-    )
+    if plan is None:
+        plan = plan_attention(
+            cu, dist.get_world_size(group), dist.get_rank(group), layout=layout, exchange=exchange,
+            group=dist.group.WORLD if group is None else group, check_ranks=check_ranks, **deepseek_v4_plan_options(config),
+        )
+    else:
+        check_given_plan(plan, cu, group, check_ranks=check_ranks)
     shifted = shift_labels(ids if labels is None else labels, cu, ignore_index=ignore_index)
     ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
     context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale)
