@@ -50,13 +50,15 @@ class PackedCPBatch:
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedCPBatch:
         """The batch on ``device`` (plan included, :meth:`AttentionPlan.to`; no host sync when pinned and ``non_blocking``)."""
-        return PackedCPBatch(*(t.to(device, non_blocking=non_blocking) for t in (self.input_ids, self.labels, self.position_ids)),
-                             self.plan.to(device, non_blocking=non_blocking),
-                             self.cu_seqlens.to(device, non_blocking=non_blocking), self.num_tokens)
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return PackedCPBatch(move(self.input_ids), move(self.labels), move(self.position_ids),
+                             self.plan.to(device, non_blocking=non_blocking), move(self.cu_seqlens), self.num_tokens)
 
     def pin_memory(self) -> PackedCPBatch:
         """The batch in pinned memory (what ``DataLoader(pin_memory=True)`` calls; needs CUDA)."""
-        return PackedCPBatch(*(t.pin_memory() for t in (self.input_ids, self.labels, self.position_ids)),
+        return PackedCPBatch(self.input_ids.pin_memory(), self.labels.pin_memory(), self.position_ids.pin_memory(),
                              self.plan.pin_memory(), self.cu_seqlens.pin_memory(), self.num_tokens)
 
 

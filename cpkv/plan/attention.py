@@ -110,6 +110,14 @@ class AttentionPlan:
     gather_len: int = 0
     cost_model: CostModel = CostModel()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a plan made in a data-loader worker travels to the main process): mappings as dicts."""
+        return {f.name: dict(v) if isinstance(v, MappingProxyType) else v for f in fields(self) for v in (getattr(self, f.name),)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, MappingProxyType(value) if isinstance(value, dict) else value)
+
     @property
     def local_lens(self) -> tuple[int, ...]:
         """Tokens every rank holds (``local_lens[cp_rank] == local_len``), host ints, for logging."""
