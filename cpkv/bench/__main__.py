@@ -25,7 +25,7 @@ from cpkv.bench import layouts
 from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.indexer import main as indexer_main
 from cpkv.bench.memory import LayerDims, layer_memory
-from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
+from cpkv.bench.planning import attention_planning_times, planning_main, planning_times, random_documents
 from cpkv.bench.traffic import Dims, Traffic, layer_traffic, lognormal_cu_seqlens, need_plan, physical_limit
 from cpkv.bench.walltime import WALL_WINDOW, ring_times, wall_times
 
@@ -402,13 +402,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
     prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
-    executed work, launches and host syncs.
+    executed work, launches and host syncs; ``planning`` every layout's planning time at 1M tokens.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
         return layouts.main(argv[1:])
     if argv[:1] == ["kernels"]:
         return kernels_main(argv[1:])
+    if argv[:1] == ["planning"]:
+        return planning_main(argv[1:])
     if argv[:1] == ["indexer"]:
         return indexer_main(argv[1:])
     args = parse_args(argv)
