@@ -4,7 +4,10 @@ A random ``DeepseekV4ForCausalLM`` (one sliding, one CSA and one HCA layer; hash
 learned MoE; hyper-connections) takes ``--steps`` AdamW steps on packed batches of random
 documents, twice from the same weights: on ``--cp`` CPU ranks with
 :func:`cpkv.integrations.transformers_lm.deepseek_v4_causal_lm_loss` (one call per micro-batch,
-packed ids to the rank's loss; gradients all-reduced, or averaged by DDP with ``--ddp``), and in
+packed ids to the rank's loss; gradients all-reduced, or averaged by DDP with ``--ddp``), each
+rank's plan made by its data loader's collate function
+:class:`cpkv.integrations.collate.PackedCPCollator` (``--layout``, default balanced: the model's
+own cost, :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`), and in
 one process with Hugging Face's model run on each document alone. Both losses are printed
 per step; ``--plot PATH`` also draws them (matplotlib). Needs ``pip install 'cpkv[transformers]'``::
 
@@ -65,20 +68,38 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(docs), seqlens_to_cu_seqlens(lengths, dtype=torch.int64)
 
 
-def train_cp(rank: int, world: int, steps: int, ddp: bool, exchange: str) -> list[float]:
+def examples(step: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batch ``step`` as a list of examples (what a dataset yields, before packing)."""
+    ids, cu_seqlens = batch(step)
+    bounds = cu_seqlens.tolist()
+    return [{"input_ids": ids[s:e]} for s, e in zip(bounds[:-1], bounds[1:])]
+
+
+def train_cp(rank: int, world: int, steps: int, ddp: bool, exchange: str, layout: str) -> list[float]:
     """This rank's training loop under CP; returns the CP group's loss per step (``lm_loss``)."""
+    from torch.utils.data import DataLoader
+
+    from cpkv.integrations.collate import PackedCPCollator
+    from cpkv.integrations.transformers import deepseek_v4_plan_options
     from cpkv.integrations.transformers_lm import deepseek_v4_causal_lm_loss, enable_deepseek_v4_cp
 
     model = enable_deepseek_v4_cp(build_model())  # before wrapping: state_dict keys stay HF's
+    # Each rank's plan is made by the data loader's collate function (packing as DataCollatorWithFlattening
+    # does). Under torchrun use num_workers >= 1 (and pin_memory=True on GPUs): the plan is then made in a
+    # worker, off the critical path; cpkv.launch.spawn's ranks are daemonic, which may not start workers.
+    collate = PackedCPCollator(world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+                               plan_options=deepseek_v4_plan_options(model.config))
+    loader = DataLoader([examples(s) for s in range(steps)], batch_size=None, collate_fn=collate, num_workers=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     wrapped: Any = model
     if ddp:  # DDP averages the gradients over the CP group: ask for grad_reduction="mean"
         wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
     losses = []
-    for step in range(steps):
+    for step, packed in enumerate(loader):
         ids, cu_seqlens = batch(step)
-        out = deepseek_v4_causal_lm_loss(wrapped, ids, None, cu_seqlens=cu_seqlens, exchange=exchange,  # type: ignore[arg-type]
+        out = deepseek_v4_causal_lm_loss(wrapped, ids, None, cu_seqlens=cu_seqlens, plan=packed.plan,
                                          grad_reduction="mean" if ddp else "sum")
+        assert torch.equal(out.labels, packed.labels) and torch.equal(ids[packed.plan.layout_ranges.local_tokens(rank)], packed.input_ids)
         out.loss.backward()
         if not ddp:  # the replicated parameters' gradients: SUM over the CP group
             for param in model.parameters():
@@ -137,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     parser.add_argument("--cp", type=int, default=4, choices=[1, 2, 3, 4], help="CP ranks (default 4)")
     parser.add_argument("--exchange", default="need", choices=["allgather", "need"], help="prefix exchange (default need)")
+    parser.add_argument("--layout", default="balanced", choices=["contiguous", "balanced"],
+                        help="CP layout (default balanced: the model's own cost)")
     parser.add_argument("--ddp", action="store_true", help="DDP averages the gradients (grad_reduction='mean')")
     parser.add_argument("--plot", metavar="PATH", help="write the loss curves to this PNG")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"argument --steps: must be >= 1, got {args.steps}")
-    cp_losses = spawn(train_cp, args.cp, args.steps, args.ddp, args.exchange, timeout=600.0)[0]
+    cp_losses = spawn(train_cp, args.cp, args.steps, args.ddp, args.exchange, args.layout, timeout=600.0)[0]
     single = train_single(args.steps)
     print(f"step  cp={args.cp} loss  1-process loss  |difference|")
     for step, (a, b) in enumerate(zip(cp_losses, single)):

@@ -29,7 +29,7 @@ from cpkv.bench.heads import heads_lines, heads_table
 from cpkv.bench.heads import main as heads_main
 from cpkv.bench.indexer import main as indexer_main
 from cpkv.bench.memory import LayerDims, layer_memory
-from cpkv.bench.planning import attention_planning_times, planning_times, random_documents
+from cpkv.bench.planning import attention_planning_times, planning_main, planning_times, random_documents
 from cpkv.bench.traffic import Dims, Traffic, layer_traffic, lognormal_cu_seqlens, need_plan, physical_limit
 from cpkv.bench.walltime import WALL_WINDOW, ring_times, wall_times
 
@@ -410,13 +410,16 @@ def main(argv: list[str] | None = None) -> int:
 
     ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
     prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
-    executed work, launches and host syncs; ``heads`` the kv-heads table.
+    executed work, launches and host syncs; ``heads`` the kv-heads table; ``planning`` every layout's planning
+    time at 1M tokens.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
         return layouts.main(argv[1:])
     if argv[:1] == ["kernels"]:
         return kernels_main(argv[1:])
+    if argv[:1] == ["planning"]:
+        return planning_main(argv[1:])
     if argv[:1] == ["indexer"]:
         return indexer_main(argv[1:])
     if argv[:1] == ["heads"]:

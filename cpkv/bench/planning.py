@@ -137,3 +137,64 @@ def attention_planning_times(cu: Tensor, cp: int, repeats: int = 3) -> dict[str,
         "allgather": per_rank_times(lambda r: plan_attention(cu, cp, r, **v4), cp, repeats),  # type: ignore[arg-type]
         "need": per_rank_times(lambda r: plan_attention(cu, cp, r, exchange="need", **v4), cp, repeats),  # type: ignore[arg-type]
     }
+
+
+def layout_planning_times(
+    tokens: int, cps: list[int], mean_doc: int, repeats: int = 3
+) -> list[tuple[str, int, str, float]]:
+    """``(layout, cp, exchange, median seconds)`` of :func:`plan_attention` for the last rank, one thread.
+
+    A log-normal pack of ``tokens`` (mean ``mean_doc``), DeepSeek-V4's options (ratios 4 and
+    128, window 128); zigzag pads the documents to multiples of ``2 * cp``; ``custom`` is the
+    balanced layout given as a ``ShardLayout``.
+    """
+    from cpkv.bench.balance import pad_for_zigzag
+    from cpkv.bench.traffic import lognormal_cu_seqlens
+    from cpkv.plan.balance import balanced_layout
+
+    cu = lognormal_cu_seqlens(tokens, mean_doc, seed=0)
+    options: dict[str, object] = {"compress_ratios": [4, 128], "windows": [128]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = []
+    try:
+        for cp in cps:
+            padded = pad_for_zigzag(cu, cp)[0]
+            cases = {"contiguous": (cu, "contiguous"), "zigzag": (padded, "zigzag"), "balanced": (cu, "balanced"),
+                     "custom": (cu, balanced_layout(cu, cp))}
+            for name, (batch, layout) in cases.items():
+                for exchange in ("allgather", "need"):
+                    def run() -> None:
+                        plan_attention(batch, cp, cp - 1, layout=layout, exchange=exchange, **options)  # type: ignore[arg-type]
+                    run()  # warm-up
+                    times = []
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        run()
+                        times.append(time.perf_counter() - start)
+                    out.append((name, cp, exchange, sorted(times)[len(times) // 2]))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def planning_main(argv: list[str] | None = None) -> int:
+    """``python -m cpkv.bench planning [--tokens N] [--cps ...]``: every layout's planning time, printed as a table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cpkv.bench planning")
+    parser.add_argument("--tokens", type=int, default=1 << 20)
+    parser.add_argument("--cps", type=int, nargs="+", default=[8, 16, 64])
+    parser.add_argument("--mean-doc", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows = layout_planning_times(args.tokens, args.cps, args.mean_doc, args.repeats)
+    print(f"plan_attention, last rank, one thread, median of {args.repeats}: {args.tokens:,} tokens, log-normal"
+          f" (mean {args.mean_doc:,}), ratios 4 and 128, window 128 (ms)\n")
+    print("| layout | exchange | " + " | ".join(f"cp {c}" for c in args.cps) + " |")
+    print("|---|---|" + "---|" * len(args.cps))
+    for name in ("contiguous", "zigzag", "balanced", "custom"):
+        for exchange in ("allgather", "need"):
+            cells = [f"{t * 1e3:.1f}" for n, _, e, t in rows if n == name and e == exchange]
+            print(f"| {name} | {exchange} | " + " | ".join(cells) + " |")
+    return 0

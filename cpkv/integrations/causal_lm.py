@@ -39,6 +39,7 @@ from cpkv.plan.conventions import document_real_lengths, validate_cu_seqlens
 __all__ = [
     "GradReduction",
     "batch_fingerprint",
+    "check_given_plan",
     "causal_lm_loss",
     "cu_seqlens_from_position_ids",
     "global_valid_count",
@@ -324,3 +325,32 @@ def causal_lm_loss(
     compute = torch.promote_types(logits.dtype, torch.float32)
     total = F.cross_entropy(logits.to(compute), labels.to(logits.device).long(), ignore_index=ignore_index, reduction="sum")
     return total * scale / count.clamp(min=1).to(compute)
+
+
+def check_given_plan(plan: object, cu_seqlens: Tensor, group: Group, *, padding: Tensor | None = None) -> AttentionPlan:
+    """``plan``, checked to be this rank's plan of the batch ``cu_seqlens`` (made beforehand, e.g. in a data loader).
+
+    Local checks only (no collective): its group position and token count must be this rank's
+    and the batch's, and it must know the batch's ``padding`` (its real-query count). Compare the
+    ranks' plans with :func:`~cpkv.collectives.check_same_on_all_ranks` and
+    ``plan.comparison_options()``, as :func:`cpkv.plan_attention` does.
+
+    Raises:
+        TypeError: not an :class:`~cpkv.AttentionPlan`. ValueError: a plan of another rank,
+            group size, batch or padding.
+    """
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan (cpkv.plan_attention), got {type(plan).__name__}")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (plan.cp_size, plan.cp_rank) != (size, rank):
+        raise ValueError(f"plan is rank {plan.cp_rank} of {plan.cp_size}, but this is rank {rank} of the group's {size}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if plan.num_tokens != int(cu[-1]) or not torch.equal(plan.layout_ranges.cu_seqlens, cu):
+        raise ValueError(f"plan was made for other documents ({plan.num_tokens} tokens) than this batch ({int(cu[-1])} tokens)")
+    real = plan.num_tokens if padding is None else int(document_real_lengths(cu, padding).sum())
+    if plan.num_global_queries != max(real, 1) or (plan.valid_queries is None) != (padding is None):
+        raise ValueError(
+            f"plan was made for other padding ({plan.num_global_queries} real tokens) than this batch's ({real}):"
+            " plan with the same padding= (or none)"
+        )
+    return plan

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
+from cpkv.plan.cost import CostModel
 from cpkv.plan.attention import LAYOUTS, AttentionPlan, Layout, plan_attention
 from cpkv.plan.conventions import validate_cu_seqlens
 
@@ -83,7 +84,8 @@ def _same(q_field: str, kv_field: str, q: Tensor | None, kv: Tensor | None) -> N
 
 
 def plan_from_packed_seq_params(
-    params: object, cp_size: int, cp_rank: int, *, layout: Layout | None = None, **plan_options: Any
+    params: object, cp_size: int, cp_rank: int, *, layout: Layout | None = None, config: Any = None,
+    vocab_size: int = 0, **plan_options: Any
 ) -> PackedPlan:
     """cpkv's plan for the micro-batch Megatron describes with ``PackedSeqParams``.
 
@@ -110,7 +112,12 @@ def plan_from_packed_seq_params(
             ``max_seqlen_*`` are not read. ``local_cp_size``, if present and set, must equal ``cp_size``.
         cp_size, cp_rank: CP group size and this rank.
         layout: ``None`` (default): ``"zigzag"`` at ``cp_size > 1`` (padded or not, as Megatron),
-            ``"contiguous"`` at ``cp_size == 1``; or ``"zigzag"`` / ``"contiguous"`` explicitly.
+            ``"contiguous"`` at ``cp_size == 1``; or ``"zigzag"`` / ``"contiguous"`` explicitly, or
+            ``"balanced"`` (any lengths; shard the batch with ``packed.plan.shard``).
+        config: the model's Megatron ``TransformerConfig``: its cost
+            (:meth:`cpkv.CostModel.from_megatron`, with ``vocab_size``) is the plan's
+            ``cost_model`` (what ``"balanced"`` balances, ``plan.rank_costs``) unless
+            ``plan_options`` names one.
         **plan_options: the other keyword options of :func:`cpkv.plan_attention`
             (``exchange``, ``ring_degree``, ``compress_ratios``, ``windows``), passed through.
 
@@ -174,13 +181,15 @@ def plan_from_packed_seq_params(
         padding = padded_len - real_len
     if layout == "zigzag":
         _check_zigzag_lengths(field, cu_seqlens, cp_size)
-    elif int(cu_seqlens[-1]) % cp_size:
+    elif layout == "contiguous" and int(cu_seqlens[-1]) % cp_size:
         raise ValueError(
             f"params.{field}: layout='contiguous' needs the packed token count divisible by cp_size = {cp_size},"
             f" got {field}[-1] = {int(cu_seqlens[-1])}"
         )
     if "padding" in plan_options:
         raise TypeError("plan_from_packed_seq_params takes no padding= option: it is what the padded cu_seqlens say")
+    if config is not None and plan_options.get("cost_model") is None:
+        plan_options["cost_model"] = CostModel.from_megatron(config, vocab_size=vocab_size)
     plan = plan_attention(cu_seqlens, cp_size, cp_rank, layout=layout, padding=padding, **plan_options)
     if plan.valid_queries is None:
         real_rows = torch.arange(plan.local_len, device=cu_seqlens.device)

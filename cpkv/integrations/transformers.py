@@ -31,6 +31,7 @@ from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_ndim, check_tensor
 from cpkv.collectives import Group
 from cpkv.compress_mode import LayerCompressMode
+from cpkv.plan.cost import CostModel
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.segments import CompressedPlan
 
@@ -206,15 +207,19 @@ class DeepseekV4Indexer(_PooledBlocks):
 
 
 class DeepseekV4PlanOptions(TypedDict):
-    """Keyword options of :func:`cpkv.plan_attention` for a DeepSeek-V4 model's layers."""
+    """Keyword options of :func:`cpkv.plan_attention` for a DeepSeek-V4 model's layers (and its cost model)."""
 
     compress_ratios: list[int]
     windows: list[int | None]
     prev_blocks: dict[int, int]
+    cost_model: CostModel
 
 
 def deepseek_v4_plan_options(config: Any) -> DeepseekV4PlanOptions:
-    """The ratios, window and earlier blocks a ``DeepseekV4Config``'s layers need planned.
+    """The ratios, window and earlier blocks a ``DeepseekV4Config``'s layers need planned, and the model's cost.
+
+    ``cost_model`` is :meth:`CostModel.from_deepseek_v4` ``(config)``: the whole model's step
+    cost, which ``layout="balanced"`` balances and every plan reports (``plan.rank_costs``).
 
     Example:
         >>> plan = plan_attention(cu_seqlens, cp_size, cp_rank, **deepseek_v4_plan_options(config))  # doctest: +SKIP
@@ -224,7 +229,8 @@ def deepseek_v4_plan_options(config: Any) -> DeepseekV4PlanOptions:
     for t in types:  # CSA's overlapping layout reads one earlier block; a ratio shared with HCA keeps it
         if t != SLIDING:
             prev[int(rates[t])] = max(prev.get(int(rates[t]), 0), int(t == CSA))
-    return DeepseekV4PlanOptions(compress_ratios=sorted(prev), windows=[int(config.sliding_window)], prev_blocks=prev)
+    return DeepseekV4PlanOptions(compress_ratios=sorted(prev), windows=[int(config.sliding_window)], prev_blocks=prev,
+                                 cost_model=CostModel.from_deepseek_v4(config))
 
 
 def deepseek_v4_spec(module: Any, *, indexer_loss: bool = False) -> AttentionSpec:

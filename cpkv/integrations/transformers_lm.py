@@ -33,10 +33,11 @@ from torch import Tensor
 
 from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.agreement import agree
-from cpkv.collectives import Group, check_group
+from cpkv.collectives import Group, check_group, check_same_on_all_ranks
 from cpkv.integrations.causal_lm import (
     GradReduction,
     batch_fingerprint,
+    check_given_plan,
     causal_lm_loss,
     cu_seqlens_from_position_ids,
     global_valid_count,
@@ -241,7 +242,7 @@ def deepseek_v4_causal_lm_loss(
     exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
     num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
     grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
-    padding: Tensor | None = None,
+    padding: Tensor | None = None, plan: AttentionPlan | None = None,
 ) -> DeepseekV4CausalLMOutput:
     """One micro-batch of a CP-enabled ``DeepseekV4ForCausalLM``: the whole packed batch in, this rank's loss out.
 
@@ -288,6 +289,12 @@ def deepseek_v4_causal_lm_loss(
             ``labels`` holds there (nor is the last real token of a document), and they are
             no indexer queries (``plan.num_global_queries`` counts real tokens): loss, logged
             losses and every gradient equal the unpadded batch's.
+        plan: this rank's plan of this batch made beforehand (e.g. by
+            :class:`~cpkv.integrations.collate.PackedCPCollator` in a data-loader worker, with
+            :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options` and the same
+            ``padding``), used instead of planning here (``layout`` and ``exchange`` are then the
+            plan's); ``check_ranks`` still compares the ranks' ``cu_seqlens``, plan options and
+            fingerprints.
 
     Returns:
         :class:`DeepseekV4CausalLMOutput`.
@@ -312,15 +319,21 @@ def deepseek_v4_causal_lm_loss(
             raise ValueError(f"labels must hold input_ids' {ids.numel()} tokens, got {targets.numel()}")
         shifted = shift_labels(targets, cu, ignore_index=ignore_index, padding=padding)
         scale = grad_reduction_scale(grad_reduction, group)
+        if plan is not None:
+            check_given_plan(plan, cu, group, padding=padding)
     except Exception as error:  # noqa: BLE001 - agreed, then raised
         agree(error, group)
         raise
     agree(None, group)
-    plan = plan_attention(
-        cu, dist.get_world_size(group), dist.get_rank(group), layout=layout, exchange=exchange,
-        group=dist.group.WORLD if group is None else group, check_ranks=check_ranks, padding=padding,
-        fingerprint=batch_fingerprint(ids, shifted) if check_ranks else None, **deepseek_v4_plan_options(config),
-    )
+    cp_group = dist.group.WORLD if group is None else group
+    fingerprint = batch_fingerprint(ids, shifted) if check_ranks else None
+    if plan is None:
+        plan = plan_attention(
+            cu, dist.get_world_size(group), dist.get_rank(group), layout=layout, exchange=exchange, group=cp_group,
+            check_ranks=check_ranks, padding=padding, fingerprint=fingerprint, **deepseek_v4_plan_options(config),
+        )
+    elif check_ranks:
+        check_same_on_all_ranks(cu, cp_group, options=plan.comparison_options(), fingerprint=fingerprint)
     ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
     context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale)
     output = model(

@@ -5,7 +5,8 @@ the CP group to index tensors and host ints, once per micro-batch; the layers on
 """
 
 from cpkv.plan.attention import AttentionPlan, Exchange, Layout, bsnd_cu_seqlens, plan_attention
-from cpkv.plan.balance import CostModel, balanced_layout, rank_costs
+from cpkv.plan.balance import balanced_layout, rank_costs, token_cap
+from cpkv.plan.cost import CostModel
 from cpkv.plan.conventions import (
     CompressedSeqlens,
     PaddedDocuments,
@@ -28,5 +29,5 @@ __all__ = [
     "ShardLayout", "contiguous_layout", "layout_from_ranges", "zigzag_layout",
     "actual_seq_len_to_cu_seqlens", "balanced_layout", "bsnd_cu_seqlens", "compress_cu_seqlens", "compute_prefix_kv_cu_seqlens",
     "cu_seqlens_to_actual_seq_len", "pad_documents", "plan_attention", "plan_routes", "plan_segments",
-    "rank_costs", "rearrange_prefix_kv", "seqlens_to_cu_seqlens", "slice_tnd_kv_prefix", "token_positions", "validate_cu_seqlens",
+    "rank_costs", "rearrange_prefix_kv", "token_cap", "seqlens_to_cu_seqlens", "slice_tnd_kv_prefix", "token_positions", "validate_cu_seqlens",
 ]

@@ -12,10 +12,10 @@ and, per compress ratio, the compressor's blocks and the entries' routes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
 from types import MappingProxyType
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -24,10 +24,11 @@ from torch.distributed import ProcessGroup
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
 from cpkv.agreement import agree
 from cpkv.collectives import check_fingerprint, check_group, check_group_position, check_same_on_all_ranks
-from cpkv.plan.balance import CostModel, balanced_layout
+from cpkv.plan.balance import DEFAULT_MAX_TOKENS_RATIO, balanced_layout, rank_costs, token_cap
+from cpkv.plan.cost import CostModel
 from cpkv.plan.conventions import document_real_lengths, validate_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, contiguous_layout, expand_ranges, zigzag_layout
-from cpkv.plan.need import Partition, compressed_need, kv_need, token_partition
+from cpkv.plan.need import compressed_need, cut_at_parts, kv_need, token_partition
 from cpkv.plan.prefix import PrefixKVPlan, compute_prefix_kv_cu_seqlens
 from cpkv.plan.routes import CompressedRoutes, KVSource, RingRound
 from cpkv.plan.segments import EntryVisibility, SegmentPlan, plan_segments
@@ -82,6 +83,8 @@ class AttentionPlan:
             per-token tensors with :meth:`shard`, put them back with :meth:`unshard`.
         gather_len: rows every rank contributes to an all-gather: the longest shard (shorter
             shards are padded; ``local_len`` in the contiguous and zigzag layouts).
+        cost_model: the :class:`~cpkv.plan.cost.CostModel` of :attr:`rank_costs` (the one
+            ``layout="balanced"`` balanced).
     """
 
     layout: LayoutName
@@ -105,6 +108,57 @@ class AttentionPlan:
     valid_queries: Tensor | None = None
     shards: ShardLayout | None = None
     gather_len: int = 0
+    cost_model: CostModel = CostModel()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a plan made in a data-loader worker travels to the main process): mappings as dicts."""
+        return {f.name: dict(v) if isinstance(v, MappingProxyType) else v for f in fields(self) for v in (getattr(self, f.name),)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, MappingProxyType(value) if isinstance(value, dict) else value)
+
+    @property
+    def local_lens(self) -> tuple[int, ...]:
+        """Tokens every rank holds (``local_lens[cp_rank] == local_len``), host ints, for logging."""
+        return self.layout_ranges.local_lens
+
+    @property
+    def rank_costs(self) -> tuple[float, ...]:
+        """Every rank's modeled step cost under :attr:`cost_model` (MACs, closed form per range), host floats."""
+        return tuple(rank_costs(self.layout_ranges, self.cost_model).tolist())
+
+    def comparison_options(self) -> list[int]:
+        """The plan's options as integers, which every rank's plan of one batch shares (the cross-rank comparison).
+
+        Layout, exchange, ring degree, ``check_modules``, ratios, earlier blocks, windows, the
+        real-query count and, for balanced and custom layouts, every rank's ranges.
+        """
+        windows = [-1 if w is None else w for w in self.windows]
+        ranges: list[int] = []
+        if self.layout in ("custom", "balanced"):  # every rank must hold the same ranges (and cost model)
+            shards = self.layout_ranges
+            ranges = [-7, *shards.starts.tolist(), -7, *shards.ranks.tolist()]
+        return [(*LAYOUTS, "custom").index(self.layout), EXCHANGES.index(self.exchange), self.ring_degree,
+                int(self.check_modules), self.num_global_queries, *self.compress_ratios, -7, *self.prev_blocks.values(),
+                -7, *windows, *ranges]
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> AttentionPlan:
+        """The plan with every tensor on ``device`` (the :attr:`shards` layout stays on the CPU).
+
+        A plan made on the CPU in a data-loader worker moves to the GPU without a host sync
+        with ``non_blocking=True`` once pinned (:meth:`pin_memory`, or ``DataLoader(...,
+        pin_memory=True)``, which calls it); host ints and tuples are unchanged. Equal, field by
+        field, to the plan :func:`plan_attention` makes from ``cu_seqlens`` on ``device``.
+        """
+        target = torch.device(device)
+        moved: AttentionPlan = _map_tensors(self, lambda t: t.to(target, non_blocking=non_blocking))
+        return moved
+
+    def pin_memory(self) -> AttentionPlan:
+        """The plan with every CPU tensor in pinned (page-locked) memory (needs CUDA; the :attr:`shards` stay as they are)."""
+        pinned: AttentionPlan = _map_tensors(self, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+        return pinned
 
     @property
     def q_positions(self) -> Tensor:
@@ -169,6 +223,21 @@ class AttentionPlan:
         return self.kv[window]
 
 
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor of its (nested) dataclasses, tuples and mappings; layouts and cost models kept."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, (ShardLayout, CostModel)):
+        return obj
+    if isinstance(obj, tuple):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, Mapping):
+        return MappingProxyType({k: _map_tensors(v, fn) for k, v in obj.items()})
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj)})
+    return obj
+
+
 def _full_prefix(layout: ShardLayout, rank: int, ratios: Sequence[int]) -> SegmentPlan:
     """Segments of the rank's ranges over their documents' full prefixes (the all-gather's buffer)."""
     starts, ends = layout.ranges_of(rank)
@@ -185,12 +254,14 @@ def _gather_rows(layout: ShardLayout, rank: int, gather_len: int) -> Tensor:
     """
     starts, ends = layout.ranges_of(rank)
     doc_start = layout.cu_seqlens.index_select(0, layout.documents[int(layout.offsets[rank]):int(layout.offsets[rank + 1])])
-    owner, local = token_partition(layout).locate(expand_ranges(doc_start, ends))
-    return owner * gather_len + local
+    pieces = cut_at_parts(doc_start, ends, token_partition(layout))  # runs of one holder's consecutive rows
+    first = pieces.src * gather_len + pieces.row
+    return expand_ranges(first, first + (pieces.hi - pieces.lo))
 
 
 def shard_layout(
-    cu_seqlens: Tensor, cp_size: int, layout: Layout | ShardLayout, cost_model: CostModel | None = None
+    cu_seqlens: Tensor, cp_size: int, layout: Layout | ShardLayout, cost_model: CostModel | None = None,
+    max_tokens_ratio: float | None = DEFAULT_MAX_TOKENS_RATIO,
 ) -> ShardLayout:
     """Every rank's token ranges for ``layout`` (validated against ``cu_seqlens`` and ``cp_size``).
 
@@ -205,9 +276,7 @@ def shard_layout(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or a ShardLayout, got {layout!r}")
     if layout == "balanced":
-        return balanced_layout(cu_seqlens, cp_size, cost_model)
-    if cost_model is not None:
-        raise ValueError(f"cost_model is for layout='balanced' only, got layout={layout!r}")
+        return balanced_layout(cu_seqlens, cp_size, cost_model, max_tokens_ratio=max_tokens_ratio)
     num_tokens = int(cu_seqlens[-1])
     if num_tokens % cp_size:
         raise ValueError(
@@ -225,6 +294,7 @@ def plan_attention(
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
     prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
     check_ranks: bool = True, padding: Tensor | None = None, cost_model: CostModel | None = None,
+    max_tokens_ratio: float | None = DEFAULT_MAX_TOKENS_RATIO,
     fingerprint: Tensor | None = None,
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
@@ -238,8 +308,8 @@ def plan_attention(
         cp_size, cp_rank: CP group size and this rank.
         layout: ``"contiguous"``, ``"zigzag"`` (per-document zigzag TND; zigzag BSND is this
             layout with equal-length documents, see :func:`bsnd_cu_seqlens`), ``"balanced"``
-            (ranges cut so that ``cost_model``'s modeled cost is equal on every rank,
-            :func:`cpkv.plan.balance.balanced_layout`), or any
+            (ranges cut so that the busiest rank's ``cost_model`` cost is least with every rank
+            within ``max_tokens_ratio * T / cp`` tokens, :func:`cpkv.plan.balance.balanced_layout`), or any
             :class:`~cpkv.plan.layouts.ShardLayout` (the same on every rank). Cut the batch's
             per-token tensors with ``plan.shard(x)``.
         exchange: ``"allgather"`` or ``"need"`` (any layout).
@@ -278,8 +348,11 @@ def plan_attention(
             attended like any other (causality keeps them out of real tokens' outputs; mask
             their loss), but they do not count in the indexer loss: ``plan.valid_queries``
             marks the real local rows and ``plan.num_global_queries`` counts real tokens only.
-        cost_model: ``layout="balanced"``: the :class:`~cpkv.plan.balance.CostModel` to balance
-            (default: DeepSeek-V4-Flash's layer stack).
+        cost_model: the :class:`~cpkv.plan.cost.CostModel` of the model (default: the whole
+            DeepSeek-V4-Flash model): ``layout="balanced"`` balances it; every layout reports it
+            per rank (``plan.rank_costs``, with ``plan.local_lens``).
+        max_tokens_ratio: ``layout="balanced"``: the cap on a rank's tokens in units of ``T / cp``
+            (default 1.10; ``None``: no cap); ignored by the other layouts.
         fingerprint: with ``group`` and ``check_ranks``: ``[n]`` int64 values every rank must
             hold too, compared in the same all-reduces as ``cu_seqlens`` (e.g.
             :func:`cpkv.integrations.causal_lm.batch_fingerprint` of the batch's token ids and
@@ -291,7 +364,7 @@ def plan_attention(
     Raises:
         TypeError, ValueError: invalid ``cu_seqlens``, ``T % cp_size != 0`` (contiguous, zigzag),
             rank out of range, an unknown layout or exchange, a ``ShardLayout`` made for other
-            ``cu_seqlens`` or ``cp_size``, ``cost_model`` with another layout, ``ring_degree > 1``
+            ``cu_seqlens`` or ``cp_size``, ``cost_model`` not a ``CostModel``, ``max_tokens_ratio < 1``, ``ring_degree > 1``
             without ``exchange="need"``, a zigzag document
             length not divisible by ``2 * cp_size`` (the first one is named), ``compress_ratios``
             or ``windows`` not a sequence, ``prev_blocks`` not a mapping or naming an unplanned
@@ -308,7 +381,7 @@ def plan_attention(
     """
     def build() -> AttentionPlan:
         return _build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios, windows,
-                           prev_blocks, check_modules, padding, cost_model)
+                           prev_blocks, check_modules, padding, cost_model, max_tokens_ratio)
 
     if group is None:
         return build()
@@ -323,19 +396,8 @@ def plan_attention(
     agree(None, group)
     if check_ranks:
         padded = [] if padding is None else [-7, *padding.detach().to("cpu", torch.int64).tolist()]
-        check_same_on_all_ranks(cu_seqlens, group, options=[*_options(plan), *padded], fingerprint=fingerprint)
+        check_same_on_all_ranks(cu_seqlens, group, options=[*plan.comparison_options(), *padded], fingerprint=fingerprint)
     return plan
-
-
-def _options(plan: AttentionPlan) -> list[int]:
-    """The plan's options as integers, for the cross-rank comparison."""
-    windows = [-1 if w is None else w for w in plan.windows]
-    ranges: list[int] = []
-    if plan.layout in ("custom", "balanced"):  # every rank must hold the same ranges (and cost model)
-        shards = plan.layout_ranges
-        ranges = [-7, *shards.starts.tolist(), -7, *shards.ranks.tolist()]
-    return [(*LAYOUTS, "custom").index(plan.layout), EXCHANGES.index(plan.exchange), plan.ring_degree,
-            int(plan.check_modules), *plan.compress_ratios, -7, *plan.prev_blocks.values(), -7, *windows, *ranges]
 
 
 def _int_sequence(name: str, value: object, *, minimum: int, allow_none: bool = False) -> tuple[int | None, ...]:
@@ -356,6 +418,7 @@ def _build_plan(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, layout: Layout | ShardLayout, exchange: Exchange, ring_degree: int,
     compress_ratios: Sequence[int], windows: Sequence[int | None], prev_blocks: Mapping[int, int] | None,
     check_modules: bool, padding: Tensor | None, cost_model: CostModel | None = None,
+    max_tokens_ratio: float | None = DEFAULT_MAX_TOKENS_RATIO,
 ) -> AttentionPlan:
     """:func:`plan_attention` without the group: validate, then plan."""
     if exchange not in EXCHANGES:
@@ -368,11 +431,15 @@ def _build_plan(
     if ring_degree > 1 and exchange != "need":
         raise ValueError(f"ring_degree={ring_degree} splits the need-based exchange: pass exchange='need'")
     validate_cu_seqlens(cu_seqlens)
+    token_cap(int(cu_seqlens[-1]), cp_size, max_tokens_ratio)  # validated for every layout
     ratios = tuple(r for r in _int_sequence("compress_ratios", compress_ratios, minimum=2) if r is not None)
     planned_windows = _int_sequence("windows", windows, minimum=1, allow_none=True)
     reach = _prev_blocks(ratios, prev_blocks)
     real_lengths = None if padding is None else document_real_lengths(cu_seqlens, padding)
-    shards = shard_layout(cu_seqlens, cp_size, layout, cost_model)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
+    model = CostModel() if cost_model is None else cost_model
+    shards = shard_layout(cu_seqlens, cp_size, layout, model, max_tokens_ratio)
     name: LayoutName = "custom" if isinstance(layout, ShardLayout) else layout
     num_tokens, local_len, gather_len = int(cu_seqlens[-1]), shards.local_lens[cp_rank], max(shards.local_lens)
     device = cu_seqlens.device
@@ -399,7 +466,7 @@ def _build_plan(
         num_global_queries=max(num_real, 1), segments=segments, prefix=prefix, gather_rows=rows,
         kv=MappingProxyType(kv), compressed=MappingProxyType(compressed),
         windows=planned_windows, compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
-        check_modules=check_modules, valid_queries=valid, shards=shards, gather_len=gather_len,
+        check_modules=check_modules, valid_queries=valid, shards=shards, gather_len=gather_len, cost_model=model,
     )
 
 

@@ -106,12 +106,22 @@ class ShardLayout:
 
 
 def expand_ranges(starts: Tensor, ends: Tensor) -> Tensor:
-    """``[sum(ends - starts)]`` int64: the integers of every range ``[starts[i], ends[i])``, in order."""
+    """``[sum(ends - starts)]`` int64: the integers of every range ``[starts[i], ends[i])``, in order.
+
+    ``arange(total)`` plus a per-range offset, the offset a running sum of its jumps (written at
+    each range's first row): a few passes over the rows, no per-row gather.
+    """
     lengths = ends - starts
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
     total = int(lengths.sum()) if lengths.numel() else 0
-    first = torch.cumsum(lengths, 0) - lengths
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
-    return starts.index_select(0, seg) + torch.arange(total) - first.index_select(0, seg)
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=starts.device)
+    first = torch.cumsum(lengths, 0) - lengths  # the row of each range's first integer
+    jump = starts - first  # integer = row + jump within range i
+    steps = torch.zeros(total, dtype=torch.int64, device=starts.device)
+    steps.index_copy_(0, first, torch.diff(jump, prepend=jump.new_zeros(1)))
+    return torch.arange(total, device=starts.device).add_(steps.cumsum_(0))
 
 
 def layout_from_ranges(cu_seqlens: Tensor, cp_size: int, starts: Tensor, ends: Tensor, ranks: Tensor) -> ShardLayout:

@@ -36,7 +36,7 @@ from cpkv.plan.layouts import ShardLayout, expand_ranges
 from cpkv.plan.routes import CompressedRoutes, KVSource, RingRound, Routes
 from cpkv.plan.segments import CompressedPlan, EntryVisibility, KeyRanges, SegmentPlan, plan_segments
 
-__all__ = ["Partition", "compressed_need", "kv_need", "token_partition"]
+__all__ = ["Partition", "compressed_need", "cut_at_parts", "kv_need", "token_partition"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,9 +96,9 @@ class _Pieces:
 
 
 def _pieces(lo: Tensor, hi: Tensor, dst: Tensor, parts: Partition, *, self_routes: bool) -> _Pieces:
-    """Cut every needed ``[lo, hi)`` (non-empty) at the partition's part boundaries."""
-    first = torch.searchsorted(parts.ends, lo, right=True)
-    last = torch.searchsorted(parts.ends, hi - 1, right=True)
+    """Cut every needed ``[lo, hi)`` (non-empty) at the parts' boundaries (sorted disjoint parts; gaps allowed)."""
+    first = torch.searchsorted(parts.ends, lo, right=True)  # the first part ending after lo
+    last = torch.searchsorted(parts.starts, hi - 1, right=True) - 1  # the last part starting at or before hi - 1
     counts = (last - first + 1).clamp(min=0)  # an empty interval has no piece
     total = int(counts.sum()) if counts.numel() else 0
     seg = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
@@ -110,6 +110,36 @@ def _pieces(lo: Tensor, hi: Tensor, dst: Tensor, parts: Partition, *, self_route
     d = dst.index_select(0, seg)
     keep = (p_hi > p_lo) & ((src != d) if not self_routes else torch.ones_like(src, dtype=torch.bool))
     return _Pieces(p_lo[keep], p_hi[keep], d[keep], src[keep], row[keep])
+
+
+def cut_at_parts(lo: Tensor, hi: Tensor, parts: Partition) -> _Pieces:
+    """Every ``[lo_i, hi_i)`` cut at the parts' boundaries, in order: runs of one holder's consecutive local rows."""
+    return _pieces(lo, hi, torch.zeros_like(lo), parts, self_routes=True)
+
+
+def _of_rank(parts: Partition, rank: int) -> Partition:
+    """The parts ``rank`` holds (sorted, with gaps)."""
+    mine = (parts.ranks == rank) & (parts.ends > parts.starts)
+    return Partition(parts.starts[mine], parts.ends[mine], parts.ranks[mine], parts.rows[mine])
+
+
+def _any_traffic(lo: Tensor, hi: Tensor, dst: Tensor, parts: Partition, span: int, *, self_routes: bool) -> bool:
+    """Whether any rank receives a row: some needed row (not held by its destination, unless ``self_routes``).
+
+    The same on every rank. Rows a destination holds itself: the intervals cut at its own parts
+    only, keyed ``rank * span + index`` so that each interval meets its own rank's parts alone.
+    """
+    size = (hi - lo).clamp(min=0)
+    needed = int(size.sum()) if size.numel() else 0
+    if self_routes or needed == 0:
+        return needed > 0
+    full = (parts.ends > parts.starts).nonzero().flatten()
+    order = full.index_select(0, torch.argsort(parts.ranks.index_select(0, full) * span + parts.starts.index_select(0, full)))
+    key = parts.ranks.index_select(0, order) * span
+    keyed = Partition(key + parts.starts.index_select(0, order), key + parts.ends.index_select(0, order),
+                      parts.ranks.index_select(0, order), parts.rows.index_select(0, order))
+    held = _pieces(dst * span + lo, dst * span + hi, dst, keyed, self_routes=True)
+    return needed > int((held.hi - held.lo).sum())
 
 
 @dataclass(frozen=True)
@@ -128,21 +158,29 @@ class _Received:
         return self.offset.index_select(0, piece) + index - self.lo.index_select(0, piece)
 
 
-def _route(pieces: _Pieces, rank: int, cp_size: int, device: torch.device, span: int) -> _Received:
-    """The :class:`Routes` of ``rank`` (sends to every destination in index order) and its arrival order."""
-    size = pieces.hi - pieces.lo
-    mine = pieces.src == rank
-    send = torch.argsort(pieces.dst[mine] * span + pieces.lo[mine])
-    s_row, s_size, s_dst = pieces.row[mine][send], size[mine][send], pieces.dst[mine][send]
+def _route(
+    lo: Tensor, hi: Tensor, dst: Tensor, parts: Partition, rank: int, cp_size: int, device: torch.device, span: int, *,
+    self_routes: bool,
+) -> _Received:
+    """The :class:`Routes` of ``rank`` (sends to every destination in index order) and its arrival order.
+
+    ``[lo, hi)`` needed by ``dst``: only what ``rank`` sends (the intervals cut at its own parts)
+    and receives (its own intervals cut at every part) is cut, not the whole group's routing.
+    """
+    send_pieces = _pieces(lo, hi, dst, _of_rank(parts, rank), self_routes=self_routes)
+    into = dst == rank
+    recv_pieces = _pieces(lo[into], hi[into], dst[into], parts, self_routes=self_routes)
+    s_size = send_pieces.hi - send_pieces.lo
+    send = torch.argsort(send_pieces.dst * span + send_pieces.lo)
+    s_row, s_size, s_dst = send_pieces.row[send], s_size[send], send_pieces.dst[send]
     send_rows = expand_ranges(s_row, s_row + s_size)
     send_splits = torch.zeros(cp_size, dtype=torch.int64).index_add_(0, s_dst, s_size)
-    into = pieces.dst == rank
-    recv = torch.argsort(pieces.src[into] * span + pieces.lo[into])
-    r_lo, r_hi, r_src = pieces.lo[into][recv], pieces.hi[into][recv], pieces.src[into][recv]
+    recv = torch.argsort(recv_pieces.src * span + recv_pieces.lo)
+    r_lo, r_hi, r_src = recv_pieces.lo[recv], recv_pieces.hi[recv], recv_pieces.src[recv]
     recv_splits = torch.zeros(cp_size, dtype=torch.int64).index_add_(0, r_src, r_hi - r_lo)
     routes = Routes(
         send_rows=send_rows.to(device), send_splits=tuple(send_splits.tolist()), recv_splits=tuple(recv_splits.tolist()),
-        any_traffic=bool(size.numel() and size.sum() > 0),
+        any_traffic=_any_traffic(lo, hi, dst, parts, span, self_routes=self_routes),
     )
     return _Received(routes, r_lo, r_hi, torch.cumsum(r_hi - r_lo, 0) - (r_hi - r_lo))
 
@@ -190,7 +228,7 @@ def kv_need(
     span = layout.num_tokens + 1
     if ring_degree == 1:
         n_lo, n_hi, n_dst = union(lo, layout.starts, layout.ranks)
-        received = _route(_pieces(n_lo, n_hi, n_dst, parts, self_routes=False), rank, layout.cp_size, device, span)
+        received = _route(n_lo, n_hi, n_dst, parts, rank, layout.cp_size, device, span, self_routes=False)
         rows = _gather_index(lo[mine], layout.ends[mine], parts, received, rank)
         segments = _segments(layout, rank, lo[mine])
         offset = int(lo[mine][0] - layout.cu_seqlens[layout.documents[mine][0]]) if segments.num_queries else 0
@@ -242,7 +280,7 @@ def _rounds(
     rounds = []
     for i in range(ring_degree):
         c_lo, c_hi, c_rank = _cut(far_lo, far_hi, far_rank, layout.cp_size, i, ring_degree)
-        received = _route(_pieces(c_lo, c_hi, c_rank, parts, self_routes=True), rank, layout.cp_size, device, span)
+        received = _route(c_lo, c_hi, c_rank, parts, rank, layout.cp_size, device, span, self_routes=True)
         cut_lo = c_lo[c_rank == rank]
         own = (c_rank == rank) & (c_hi > c_lo)
         r_lo, r_hi = c_lo[own], c_hi[own]
@@ -314,10 +352,10 @@ def compressed_need(
     read_hi = doc_start + (j_lo + n_straddle) * m
     has = n_straddle > 0
     h_lo, h_hi, h_dst = union(read_lo[has], layout.starts[has], layout.ranks[has])
-    hidden = _route(_pieces(h_lo, h_hi, h_dst, parts, self_routes=False), rank, layout.cp_size, device, span)
+    hidden = _route(h_lo, h_hi, h_dst, parts, rank, layout.cp_size, device, span, self_routes=False)
     # Entries: every document a rank has queries in, up to the last entry its queries see.
     e_lo, e_hi, e_dst = union(first_id, first_id + j_hi, layout.ranks)
-    entries = _route(_pieces(e_lo, e_hi, e_dst, entry_parts, self_routes=False), rank, layout.cp_size, device, span)
+    entries = _route(e_lo, e_hi, e_dst, entry_parts, rank, layout.cp_size, device, span, self_routes=False)
     mine = slice(int(layout.offsets[rank]), int(layout.offsets[rank + 1]))
     return _compressed_routes(layout, parts, entry_parts, rank, mine, m, hidden, entries, cu_cmp,
                               (read_lo, read_hi, j_lo, n_straddle, j_hi), positions, device)

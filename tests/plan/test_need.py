@@ -162,7 +162,7 @@ def test_layouts_reject_bad_ranges_and_other_batches() -> None:
         plan_attention(torch.tensor([0, 5, 10]), 2, 0, layout=layout)
     with pytest.raises(ValueError, match="T = 10 tokens must be divisible"):
         plan_attention(cu, 4, 0)
-    with pytest.raises(ValueError, match="cost_model"):
+    with pytest.raises(TypeError, match="cost_model"):
         plan_attention(cu, 2, 0, cost_model=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="shards"):
         layout.unshard([torch.zeros(6)])
