@@ -1,9 +1,10 @@
-"""Shared pieces of the device check scripts (gpu_check.py, npu_check.py).
+"""Shared pieces of the device check scripts (gpu_check.py, npu_check.py) and of the bf16 interpreter tests.
 
 Run the V4-style layer on one rank through a backend, and compare a low-precision run
-against float64 with the same bound as the test suite: ``err <= 2 * err_reference_bf16 +
-2**-8 * max|fp64|`` (both low-precision runs round the same inputs and weights and differ in
-accumulation order and in a few extra roundings of the kernel path).
+against float64 with the same bound as the test suite (:func:`rule_check`, the 2x rule):
+``err <= 2 * err_reference_bf16 + 2**-8 * max|fp64|`` (both low-precision runs round the same
+inputs and weights and differ in accumulation order and in a few extra roundings of the
+kernel path).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,18 +48,47 @@ def run_layer(config: V4Config, dtype: torch.dtype, backend: Any, device: torch.
     return {"out": result.out.detach().cpu(), "grad x": grad_x, **grads}
 
 
+class RuleCheck(NamedTuple):
+    """One tensor against the 2x rule: ``ok`` when ``err <= bound = 2 * ref_err + 2**-8 * max|fp64|``."""
+
+    err: float
+    ref_err: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        """Whether the error is within the bound."""
+        return self.err <= self.bound
+
+
+def rule_check(got: torch.Tensor, exact: torch.Tensor, low: torch.Tensor) -> RuleCheck:
+    """``got`` (a kernel in low precision) against ``exact`` (fp64), bounded by ``low`` (the reference in that precision).
+
+    ``err = max|got - exact|``, ``ref_err = max|low - exact|``, floor ``2**-8 * max|exact|`` (one
+    bf16 ulp of the largest value). Entries where ``exact`` is not finite (an LSE of ``-inf``)
+    are left out; ``got`` must equal it there (else ``err`` is ``inf``).
+    """
+    exact = exact.double()
+    finite = torch.isfinite(exact)
+    got, low = got.double(), low.double()
+    if not torch.equal(got[~finite], exact[~finite]):
+        return RuleCheck(float("inf"), 0.0, 0.0)
+    err = float((got - exact)[finite].abs().max()) if finite.any() else 0.0
+    ref_err = float((low - exact)[finite].abs().max()) if finite.any() else 0.0
+    scale = float(exact[finite].abs().max()) if finite.any() else 0.0
+    return RuleCheck(err, ref_err, 2 * ref_err + 2**-8 * scale)
+
+
 def compare(name: str, exact: dict[str, torch.Tensor], low: dict[str, torch.Tensor],
             got: dict[str, torch.Tensor]) -> tuple[list[str], bool]:
     """Markdown rows and the verdict of ``got`` (device bf16) against ``exact`` (fp64), bounded by ``low``."""
     rows, ok = [], True
     for key, ref in exact.items():
-        err = float((got[key].double() - ref.double()).abs().max())
-        ref_err = float((low[key].double() - ref.double()).abs().max())
-        bound = 2 * ref_err + 2**-8 * float(ref.abs().max())
-        passed = err <= bound
-        ok &= passed
-        if key in SHOWN or not passed:
-            rows.append(f"| {name} | {key} | {err:.3e} | {ref_err:.3e} | {bound:.3e} | {'ok' if passed else 'FAIL'} |")
+        check = rule_check(got[key], ref, low[key])
+        ok &= check.ok
+        if key in SHOWN or not check.ok:
+            rows.append(f"| {name} | {key} | {check.err:.3e} | {check.ref_err:.3e} | {check.bound:.3e} "
+                        f"| {'ok' if check.ok else 'FAIL'} |")
     return rows, ok
 
 

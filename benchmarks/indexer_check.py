@@ -3,7 +3,8 @@
     python benchmarks/indexer_check.py                 # H200: about 1-2 minutes
     python benchmarks/indexer_check.py --no-long       # without the 1M-token cp 8 shape
     python benchmarks/indexer_check.py --no-long --sweep   # and other tile configurations
-    TRITON_INTERPRET=1 python benchmarks/indexer_check.py --smoke   # CPU, tiny shapes (tests the script)
+    TRITON_INTERPRET=1 python benchmarks/indexer_check.py --smoke   # CPU, tiny shapes, fp8 and bf16 (tests the script;
+                                                                    # ~2 min; benchmarks/interpreter_patch.py)
 
 One markdown table, columns ``| shape | dtype | check / phase | value | bound or target | ok |``:
 
@@ -91,8 +92,7 @@ def _inputs(shape: Shape, num_q: int, num_c: int, device: torch.device, dtype: s
         k8, k_scale = fp8_rows(k)
         return {"q": q8, "k": k8, "w": w * q_scale, "k_scale": k_scale,
                 "ref": (q8.float() * q_scale[..., None], k8.float() * k_scale[:, None], w)}
-    low = torch.float32 if device.type == "cpu" else torch.bfloat16
-    qb, kb = q.to(low), k.to(low)
+    qb, kb = q.bfloat16(), k.bfloat16()
     return {"q": qb, "k": kb, "w": w, "k_scale": None, "ref": (qb.float(), kb.float(), w)}
 
 
@@ -292,20 +292,6 @@ def kl_loss(shape: Shape, x: dict[str, Any], start: torch.Tensor, count: torch.T
     ], ok
 
 
-def _patch_interpreter() -> None:
-    """Triton 3.6's interpreter takes runtime loop bounds with ``int(size-1 array)``, an error since NumPy 2.4
-    (the same patch as tests/backends/triton_interpreter.py, for ``--smoke`` only)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run every check and timing; print the table; 0 if every check passed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -316,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
-        _patch_interpreter()
+        from interpreter_patch import patch_interpreter  # benchmarks/: the interpreter's bf16 as on a GPU
+
+        patch_interpreter()
         shapes = [Shape("smoke 256 cp 2", 256, 2, heads=2, dim=16, topk=4)]
-        dtypes = ["bf16"]  # the interpreter cannot run fp8 dots; bf16 runs as fp32 there
+        dtypes = ["fp8", "bf16"]
     else:
         shapes = [Shape("8K cp 1", 8192, 1), Shape("256K cp 8", 262144, 8)]
         shapes += [] if args.no_long else [Shape("1M cp 8", 1 << 20, 8)]
