@@ -360,8 +360,8 @@ def test_backend_layer_call_is_one_op_and_one_launch(monkeypatch: pytest.MonkeyP
 
 
 def test_key_scales_multiply_the_head_sums() -> None:
-    """``k_scale`` (the fp8 path's per-key scale, here on fp32 keys: the interpreter cannot run fp8 dots)
-    gives the selection of the reference on the scaled keys ``k * scale``; powers of two keep it exact."""
+    """``k_scale`` (the fp8 path's per-key scale, here on fp32 keys, so that powers of two keep it exact;
+    test_triton_bf16.py runs it on fp8 payloads) gives the selection of the reference on the scaled keys ``k * scale``; powers of two keep it exact."""
     gen = torch.Generator().manual_seed(12)
     q, k, w = _integer_inputs(gen, 20, 2, 16, 60)
     scale = 2.0 ** torch.randint(-3, 4, (60,), generator=gen).float()
@@ -373,8 +373,8 @@ def test_key_scales_multiply_the_head_sums() -> None:
 
 def test_fp8_layer_scores_pass_the_payloads_and_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     """``CUDABackend.indexer_topk(..., fp8=True)`` on fp8-rounded rows calls the op with e4m3 payloads, the keys'
-    scales and the queries' scales folded into the weights; run on those (dequantized in fp32: the interpreter
-    cannot run fp8 dots), it selects what the reference selects from the rounded rows."""
+    scales and the queries' scales folded into the weights; run on those (dequantized in fp32 here, so that the
+    selection is exact; test_triton_bf16.py runs the fp8 dots themselves), it selects what the reference selects from the rounded rows."""
     from cpkv.backends.cuda import CUDABackend
     from cpkv.backends.reference import ReferenceBackend
     from cpkv.backends.triton import indexer_ops
