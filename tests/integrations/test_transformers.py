@@ -132,8 +132,11 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
 
 
 def _combine(layout: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    from cpkv.integrations.transformers import deepseek_v4_plan_options
+
     cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
-    plan = plan_attention(cu, len(per_rank), 0, layout=layout)  # type: ignore[arg-type]
+    # The ranks' own plan options: the balanced layout's ranges depend on the model's cost.
+    plan = plan_attention(cu, len(per_rank), 0, layout=layout, **deepseek_v4_plan_options(_config()))  # type: ignore[arg-type]
 
     def cat(name: str) -> torch.Tensor:
         return plan.unshard([r[name] for r in per_rank])
