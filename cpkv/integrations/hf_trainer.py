@@ -305,8 +305,9 @@ class CPTrainerMixin(_TrainerBase):
     DDP through accelerate, logging, checkpoints, callbacks) is ``Trainer``'s. Batches must be
     ``DataCollatorWithFlattening``'s packed rows (``input_ids``, ``labels``, ``position_ids``
     restarting at 0): the whole batch on every rank of a CP group, each rank running its
-    shard of the tokens. With a tiny batch of ``T < cp`` tokens a contiguous or zigzag
-    layout pads it (:func:`cpkv.pad_documents`, padding never a target).
+    shard of the tokens. The contiguous and zigzag layouts pad the documents
+    (:func:`cpkv.pad_documents`, the padding never a target); the balanced one takes the
+    batch as it is.
 
     Keyword Args:
         cp: the CP size or group, as :func:`data_cp_mesh` takes it (default 1). Do not set
