@@ -10,7 +10,7 @@ schedule) on the same packed documents (``DataCollatorWithFlattening``), three t
   document alone, divided by ``Trainer``'s own ``num_items_in_batch``.
 
 The logged loss of every step is printed for the three. Needs
-``pip install 'cpkv[transformers]' accelerate``::
+``pip install 'cpkv[trainer]'``::
 
     python examples/hf_trainer_cp.py              # 6 steps: ~40 s on 2 CPU cores
     python examples/hf_trainer_cp.py --steps 20

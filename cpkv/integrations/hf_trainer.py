@@ -1,4 +1,4 @@
-"""Hugging Face's ``Trainer`` running ``DeepseekV4ForCausalLM`` under CP (``pip install 'cpkv[transformers]' accelerate``).
+"""Hugging Face's ``Trainer`` running ``DeepseekV4ForCausalLM`` under CP (``pip install 'cpkv[trainer]'``).
 
 :class:`CPTrainerMixin` goes before ``transformers.Trainer`` (or any subclass of it) in a
 class's bases; the class then trains a CP-enabled DeepSeek-V4 from ``TrainingArguments``
@@ -97,21 +97,17 @@ class DataCPMesh:
 
 def _mesh_of_cp_group(group: ProcessGroup) -> DataCPMesh:
     """The mesh whose CP groups are ``group`` and its counterparts on the other ranks (one all-gather)."""
-    ranks = dist.get_process_group_ranks(group)
-    mine = (min(ranks), len(ranks), dist.get_rank(group))
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine)  # every rank sees every rank's group: all raise alike
-    leaders = sorted({first for first, _, _ in every})
-    sizes = {size for _, size, _ in every}
-    if any(position < 0 for _, _, position in every):
-        raise ValueError("cp must be a CP group that holds this rank on every rank (a rank passed a group without itself)")
-    if len(sizes) != 1 or len(leaders) * next(iter(sizes)) != world:
+    dist.all_gather_object(every, tuple(dist.get_process_group_ranks(group)))  # every rank checks every rank's group
+    groups = sorted(set(every))
+    covered = sorted(r for members in groups for r in members)
+    if covered != list(range(world)) or any(r not in every[r] for r in range(world)) or len({len(g) for g in groups}) != 1:
         raise ValueError(
-            f"the CP groups must split the {world} ranks into groups of one size, got groups led by ranks {leaders}"
-            f" of sizes {sorted(sizes)}: every rank belongs to exactly one CP group"
+            f"the CP groups must split the {world} ranks into groups of one size, each rank in its own group, got"
+            f" {[list(g) for g in every]} (rank r's group at position r)"
         )
-    return DataCPMesh(len(leaders), len(ranks), leaders.index(min(ranks)), dist.get_rank(group), group)
+    return DataCPMesh(len(groups), len(every[rank]), groups.index(every[rank]), dist.get_rank(group), group)
 
 
 def data_cp_mesh(cp: int | ProcessGroup | Any, *, device_type: str = "cpu") -> DataCPMesh:

@@ -114,9 +114,9 @@ def _train(trainer: Any, **options: Any) -> dict[str, Any]:
     return _result(trainer)
 
 
-def _outcome(trainer: Any) -> str:
+def _outcome(call: Any) -> str:
     try:
-        _train(trainer)
+        call()
     except (ValueError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
@@ -142,7 +142,13 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     _set_env(rank, world)
     docs = _documents()
+    import torch.distributed as dist
+
+    from cpkv.integrations.hf_trainer import data_cp_mesh
+
     results: dict[str, Any] = {"mesh": _meshes(2, ParallelismConfig(dp_shard_size=2, cp_size=2))}
+    overlapping = [dist.new_group([0, 1, 2]), dist.new_group([2, 3])]  # every rank makes every group
+    results["overlapping"] = _outcome(lambda: data_cp_mesh(overlapping[rank == world - 1]))
     saving = dict(save_strategy="steps", save_steps=2)
     run = os.path.join(tmp, "dp2cp2")
     results["dp2cp2"] = _train(_cp_trainer(run, 2, docs, 2, trainer_options={"exchange": "need"}, **saving))
@@ -152,9 +158,9 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     results["cp4"] = _train(_cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options={"layout": "zigzag"}))
     if rank == world - 1:  # one rank's documents differ in their first token
         docs = [{**d, "input_ids": [(d["input_ids"][0] + 1) % VOCAB, *d["input_ids"][1:]]} for d in docs]
-    results["differs"] = _outcome(_cp_trainer(os.path.join(tmp, "differs"), 4, docs))
+    results["differs"] = _outcome(lambda: _train(_cp_trainer(os.path.join(tmp, "differs"), 4, docs)))
     if rank:
-        results = {k: v for k, v in results.items() if k in ("mesh", "differs")}  # the others: rank 0's
+        results = {k: v for k, v in results.items() if k in ("mesh", "overlapping", "differs")}  # the others: rank 0's
     return results
 
 
@@ -293,6 +299,8 @@ def test_meshes_from_a_size_a_group_and_a_parallelism_config(four_ranks: list[di
     for results, dp in ((four_ranks, 2), (two_ranks, 1)):
         for rank, r in enumerate(results):
             assert set(r["mesh"].values()) == {(dp, 2, rank // 2, rank % 2)}, r["mesh"]
+    outcomes = [r["overlapping"] for r in four_ranks]  # ranks 0-2 pass {0, 1, 2}, rank 3 passes {2, 3}: every rank raises
+    assert all(o.startswith("ValueError: the CP groups must split the 4 ranks") for o in outcomes), outcomes
 
 
 # --- single process: the pieces ----------------------------------------------------------------
