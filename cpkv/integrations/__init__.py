@@ -5,6 +5,8 @@
 * :mod:`cpkv.integrations.transformers`: one Hugging Face ``DeepseekV4Attention`` under CP.
 * :mod:`cpkv.integrations.transformers_lm`: a whole ``DeepseekV4ForCausalLM`` under CP, one
   call per micro-batch from packed ids to the rank's loss.
+* :mod:`cpkv.integrations.hf_trainer`: Hugging Face's ``Trainer`` training that model under
+  CP (a mixin: mesh, sampler, normaliser, reduction, logging, checkpoints).
 * :mod:`cpkv.integrations.causal_lm`: labels shifted before sharding and the loss over the CP
   group's valid-label count, for any packed causal LM (no framework).
 

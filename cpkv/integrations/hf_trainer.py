@@ -1,0 +1,439 @@
+"""Hugging Face's ``Trainer`` running ``DeepseekV4ForCausalLM`` under CP (``pip install 'cpkv[trainer]'``).
+
+:class:`CPTrainerMixin` goes before ``transformers.Trainer`` (or any subclass of it) in a
+class's bases; the class then trains a CP-enabled DeepSeek-V4 from ``TrainingArguments``
+plus a CP size or group::
+
+    class CPTrainer(CPTrainerMixin, Trainer): ...
+
+    trainer = CPTrainer(model=model, args=args, train_dataset=docs,
+                        data_collator=DataCollatorWithFlattening(), cp=2)
+
+What it changes, and nothing else (docs/semantics.md, "Hugging Face's Trainer under CP"):
+
+* **mesh**: the world is ``dp x cp`` ranks (:class:`DataCPMesh`, CP innermost: ranks
+  ``g*cp .. g*cp + cp - 1`` are CP group ``g``, as in accelerate's ``ParallelismConfig``
+  meshes); ``cp=`` is a size, a CP ``ProcessGroup``, a ``DeviceMesh`` with a ``"cp"``
+  dimension or an accelerate ``ParallelismConfig`` (:func:`data_cp_mesh`).
+* **sampler**: the training data loader accelerate prepared is re-pointed from the world to
+  the data ranks (:func:`shard_over_data_ranks`): every rank of a CP group gets the same
+  packed batch, CP groups get different batches, exactly as one process with a ``dp`` times
+  larger per-device batch would see them.
+* **normaliser**: ``num_items_in_batch`` is the optimizer step's count of valid shifted
+  labels over every micro-batch of gradient accumulation and every CP group
+  (:func:`global_num_items`), each token counted once.
+* **loss and reduction**: :func:`~cpkv.integrations.transformers_lm.deepseek_v4_causal_lm_loss`
+  with ``grad_reduction="mean"``, times ``dp``: the mean that accelerate's DDP takes over all
+  ``dp x cp`` ranks is one process's gradient of the whole step.
+* **logging**: each rank's loss is its tokens' share, so the mean over all ranks that
+  ``Trainer`` logs is one process's loss of the step.
+* **checkpoint**: :func:`~cpkv.integrations.transformers_lm.enable_deepseek_v4_cp` renames
+  nothing, so ``save_pretrained`` (and ``Trainer``'s checkpoints) hold Hugging Face's keys and
+  load into an unwrapped model; resuming continues as the uninterrupted run.
+
+Importing this module imports neither ``transformers`` nor ``accelerate`` (the mixin is a
+plain class until it is combined with a ``Trainer``); they are imported when it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from cpkv.backends.base import AttentionBackend, BackendName
+from cpkv.checks import check_int
+from cpkv.integrations.causal_lm import cu_seqlens_from_position_ids, shift_labels
+from cpkv.integrations.transformers_lm import (
+    DeepseekV4CausalLMOutput,
+    deepseek_v4_causal_lm_loss,
+    enable_deepseek_v4_cp,
+)
+from cpkv.plan.attention import LAYOUTS, Exchange, Layout
+from cpkv.plan.conventions import pad_documents
+
+if TYPE_CHECKING:
+    from transformers import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
+
+__all__ = [
+    "CPTrainerMixin",
+    "DataCPMesh",
+    "PackedBatch",
+    "data_cp_mesh",
+    "global_num_items",
+    "packed_batch",
+    "shard_over_data_ranks",
+]
+
+IGNORE_INDEX = -100
+"""The label of tokens without a target: Hugging Face's (``DataCollatorWithFlattening``'s separator)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataCPMesh:
+    """This rank's place in a data x CP mesh of the whole world: ``world = dp_size * cp_size``.
+
+    Attributes:
+        dp_size: CP groups (data-parallel replicas), each fed its own batches.
+        cp_size: ranks of a CP group, all fed the same packed batch.
+        dp_rank: this rank's CP group, ``0 .. dp_size - 1`` (groups ordered by their lowest rank).
+        cp_rank: this rank within its CP group.
+        cp_group: this rank's CP group.
+    """
+
+    dp_size: int
+    cp_size: int
+    dp_rank: int
+    cp_rank: int
+    cp_group: ProcessGroup
+
+
+def _mesh_of_cp_group(group: ProcessGroup) -> DataCPMesh:
+    """The mesh whose CP groups are ``group`` and its counterparts on the other ranks (one all-gather)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, tuple(dist.get_process_group_ranks(group)))  # every rank checks every rank's group
+    groups = sorted(set(every))
+    covered = sorted(r for members in groups for r in members)
+    if covered != list(range(world)) or any(r not in every[r] for r in range(world)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(
+            f"the CP groups must split the {world} ranks into groups of one size, each rank in its own group, got"
+            f" {[list(g) for g in every]} (rank r's group at position r)"
+        )
+    return DataCPMesh(len(groups), len(every[rank]), groups.index(every[rank]), dist.get_rank(group), group)
+
+
+def data_cp_mesh(cp: int | ProcessGroup | Any, *, device_type: str = "cpu") -> DataCPMesh:
+    """The data x CP mesh of the world from a CP size, a CP group, a ``DeviceMesh`` or a ``ParallelismConfig``.
+
+    A collective: every rank calls it, with the same kind of ``cp``, after
+    ``torch.distributed`` is initialised (``Trainer``'s ``TrainingArguments`` do it from
+    ``torchrun``'s or ``accelerate launch``'s environment).
+
+    Args:
+        cp: one of
+
+            * an ``int``: the CP size; the world (``dist.get_world_size()`` ranks, a multiple of
+              it) is cut into contiguous CP groups (ranks ``g * cp .. g * cp + cp - 1``);
+            * a ``ProcessGroup``: this rank's CP group; the groups of all ranks must split the
+              world into groups of one size;
+            * a ``torch.distributed.DeviceMesh`` with a ``"cp"`` dimension (its other dimensions
+              are data parallel);
+            * an accelerate ``ParallelismConfig`` (``cp_size``, data-parallel sizes; no tensor or
+              sequence parallelism): its device mesh (built for ``device_type`` if it has none).
+        device_type: the device type a ``ParallelismConfig`` builds its mesh for (``"cpu"``
+            for gloo, ``"cuda"``...).
+
+    Returns:
+        :class:`DataCPMesh`.
+
+    Raises:
+        ValueError: ``torch.distributed`` not initialised, a size that does not divide the
+            world, groups that do not split the world, a mesh without ``"cp"``, a
+            ``ParallelismConfig`` with tensor or sequence parallelism.
+        TypeError: another kind of ``cp``.
+
+    Example:
+        >>> mesh = data_cp_mesh(2)  # 4 ranks: CP groups {0, 1} and {2, 3}  # doctest: +SKIP
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("data_cp_mesh needs torch.distributed initialised (launch with torchrun or accelerate launch)")
+    world = dist.get_world_size()
+    if isinstance(cp, ProcessGroup):
+        return _mesh_of_cp_group(cp)
+    if isinstance(cp, int) and not isinstance(cp, bool):
+        size = check_int("cp", cp, minimum=1)
+        if world % size:
+            raise ValueError(f"cp = {size} must divide the world size {world} (dp = world / cp CP groups)")
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]  # every rank makes every group
+        return _mesh_of_cp_group(groups[dist.get_rank() // size])
+    if all(hasattr(cp, a) for a in ("cp_size", "tp_size", "sp_size", "get_device_mesh")):  # accelerate's ParallelismConfig
+        if cp.tp_size > 1 or cp.sp_size > 1:
+            raise ValueError(f"cp (a ParallelismConfig) must have tp_size = sp_size = 1 under cpkv's CP, got {cp.tp_size}, {cp.sp_size}")
+        if cp.cp_size == 1:
+            return data_cp_mesh(1)
+        return data_cp_mesh(cp.get_device_mesh(device_type))
+    names = getattr(cp, "mesh_dim_names", None)
+    if names is not None and hasattr(cp, "get_group"):  # a DeviceMesh
+        if "cp" not in names:
+            raise ValueError(f"cp (a DeviceMesh) must have a 'cp' dimension, got dimensions {tuple(names)}")
+        return _mesh_of_cp_group(cp["cp"].get_group())
+    raise TypeError(f"cp must be an int, a ProcessGroup, a DeviceMesh or an accelerate ParallelismConfig, got {type(cp).__name__}")
+
+
+def shard_over_data_ranks(dataloader: Any, mesh: DataCPMesh) -> Any:
+    """Re-point a data loader that accelerate sharded over the world to the mesh's data ranks.
+
+    ``Trainer`` gets its loader from ``accelerator.prepare``, which gives rank ``r`` of the
+    world the batches ``r, r + world, ...`` (a ``BatchSamplerShard``, or an
+    ``IterableDatasetShard`` for an iterable dataset). Under CP the ``cp`` ranks of a group
+    must see the same batches: the shard is set to ``dp_size`` processes and this rank's
+    ``dp_rank`` (in place), so CP group ``g`` gets batches ``g, g + dp, ...``, what one process
+    with ``dp`` times the per-device batch reads in the same order. A world of one rank is
+    returned unchanged.
+
+    Args:
+        dataloader: accelerate's ``DataLoaderShard`` (what ``Trainer.get_train_dataloader`` returns).
+        mesh: the data x CP mesh.
+
+    Returns:
+        ``dataloader`` itself.
+
+    Raises:
+        TypeError: a loader without accelerate's shard (e.g. ``dispatch_batches=True``, which
+            broadcasts one batch from rank 0 and splits it: not supported under CP).
+        ValueError: a shard over another number of processes than the mesh's world.
+    """
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard  # type: ignore[import-untyped]
+
+    world = mesh.dp_size * mesh.cp_size
+    if world == 1:
+        return dataloader
+    parts = (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None))
+    shards = [part for part in parts if isinstance(part, (BatchSamplerShard, IterableDatasetShard))]
+    if not shards:
+        raise TypeError(
+            f"dataloader must be sharded by accelerate (a BatchSamplerShard or IterableDatasetShard), got {type(dataloader).__name__}:"
+            " under CP leave accelerator_config's dispatch_batches unset (False)"
+        )
+    for shard in shards:
+        if shard.num_processes not in (world, mesh.dp_size):
+            raise ValueError(f"dataloader is sharded over {shard.num_processes} processes, not the mesh's {world} ranks")
+        shard.num_processes, shard.process_index = mesh.dp_size, mesh.dp_rank
+    return dataloader
+
+
+class PackedBatch(NamedTuple):
+    """One packed row of ``DataCollatorWithFlattening``: ``[T]`` ids, ``[T]`` unshifted labels, ``[B + 1]`` cu_seqlens."""
+
+    input_ids: Tensor
+    labels: Tensor
+    cu_seqlens: Tensor
+
+
+def packed_batch(inputs: Mapping[str, Any]) -> PackedBatch:
+    """A ``DataCollatorWithFlattening`` batch as ids, labels and ``cu_seqlens`` (one packed row).
+
+    Args:
+        inputs: ``input_ids`` ``[1, T]``, ``position_ids`` ``[1, T]`` restarting at 0 at every
+            document (or ``cu_seq_lens_q``, the collator's ``return_flash_attn_kwargs=True``
+            form), optional ``labels`` ``[1, T]`` (Hugging Face's unshifted convention; default
+            the ids). Other keys (``seq_idx``, ``max_length_q``...) are ignored.
+
+    Returns:
+        :class:`PackedBatch`, on ``input_ids``' device (``cu_seqlens`` int64).
+
+    Raises:
+        ValueError: no ``input_ids``, an ``attention_mask`` (a padded ``[B, L]`` batch: pack it
+            with ``DataCollatorWithFlattening``), no document boundaries, or ids, labels and
+            boundaries that are not one packed row of one length.
+    """
+    if "input_ids" not in inputs:
+        raise ValueError(f"inputs must hold input_ids, got keys {sorted(inputs)}")
+    if inputs.get("attention_mask") is not None:
+        raise ValueError(
+            "inputs must be one packed row without attention_mask under CP (a padded [B, L] batch"
+            " is not supported): collate with transformers' DataCollatorWithFlattening"
+        )
+    ids = inputs["input_ids"]
+    if not isinstance(ids, Tensor) or ids.ndim not in (1, 2) or (ids.ndim == 2 and ids.shape[0] != 1):
+        got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"input_ids must be one packed row [1, T] (DataCollatorWithFlattening), got {got}")
+    flat = ids.reshape(-1)
+    if inputs.get("position_ids") is not None:
+        cu = cu_seqlens_from_position_ids(inputs["position_ids"])
+    elif inputs.get("cu_seq_lens_q") is not None:
+        cu = torch.as_tensor(inputs["cu_seq_lens_q"], device=flat.device).long()
+    else:
+        raise ValueError("inputs must hold position_ids (or cu_seq_lens_q): DataCollatorWithFlattening's document boundaries")
+    if int(cu[-1]) != flat.numel():
+        raise ValueError(f"the document boundaries must cover input_ids' {flat.numel()} tokens, got {int(cu[-1])}")
+    labels = inputs.get("labels")
+    targets = flat if labels is None else labels.reshape(-1)
+    if targets.numel() != flat.numel():
+        raise ValueError(f"labels must hold input_ids' {flat.numel()} tokens, got {targets.numel()}")
+    return PackedBatch(flat, targets, cu.to(flat.device))
+
+
+def global_num_items(batches: Sequence[Mapping[str, Any]], mesh: DataCPMesh, device: torch.device | str) -> Tensor:
+    """The loss normaliser of one optimizer step: valid next-token labels over all micro-batches and CP groups.
+
+    Each batch's labels are shifted within its documents (:func:`cpkv.shift_labels`: a
+    document's last token predicts nothing, never the next document's first), the targets
+    ``!= -100`` counted, summed over ``batches`` (this rank's gradient-accumulation
+    micro-batches) and all-reduced over the world (``SUM``); every rank of a CP group counted
+    the same batches, so the sum is divided by ``cp_size``: each token counts once. What one
+    process with the whole step's batches counts.
+
+    Args:
+        batches: this rank's micro-batches of the step (``DataCollatorWithFlattening`` batches).
+        mesh: the data x CP mesh (covering the default group's ranks).
+        device: where the count lives (the collective's device: the CPU for gloo).
+
+    Returns:
+        0-d int64 on ``device``, the same on every rank.
+
+    Raises:
+        ValueError: a malformed batch (:func:`packed_batch`).
+    """
+    count = torch.zeros((), dtype=torch.int64)
+    for inputs in batches:
+        batch = packed_batch(inputs)
+        shifted = shift_labels(batch.labels, batch.cu_seqlens, ignore_index=IGNORE_INDEX)
+        count += (shifted != IGNORE_INDEX).sum().cpu()
+    count = count.to(device)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return count // mesh.cp_size
+
+
+class CPTrainerMixin(_TrainerBase):
+    """Put before ``transformers.Trainer`` (or a subclass) in a class's bases to train ``DeepseekV4ForCausalLM`` under CP.
+
+    ``class CPTrainer(CPTrainerMixin, Trainer): ...`` then takes ``Trainer``'s arguments plus
+    the ones below; everything else (optimizer, scheduler, gradient accumulation, clipping,
+    DDP through accelerate, logging, checkpoints, callbacks) is ``Trainer``'s. Batches must be
+    ``DataCollatorWithFlattening``'s packed rows (``input_ids``, ``labels``, ``position_ids``
+    restarting at 0): the whole batch on every rank of a CP group, each rank running its
+    shard of the tokens. The contiguous and zigzag layouts pad the documents
+    (:func:`cpkv.pad_documents`, the padding never a target); the balanced one takes the
+    batch as it is.
+
+    Keyword Args:
+        cp: the CP size or group, as :func:`data_cp_mesh` takes it (default 1). Do not set
+            ``TrainingArguments.parallelism_config`` with ``cp_size > 1``: accelerate would
+            shard the inputs itself (torch's SDPA context parallel, under FSDP2).
+        layout: ``"balanced"`` (default: any lengths, equal modeled cost per rank),
+            ``"contiguous"`` (every document padded to a multiple of ``cp``) or ``"zigzag"``
+            (every document padded to a multiple of ``2 * cp``).
+        exchange: ``"allgather"`` (default) or ``"need"``, as in :func:`cpkv.plan_attention`.
+        backend: the attention backend, as in :func:`cpkv.attention_forward`.
+
+    Attributes:
+        cp_mesh: the :class:`DataCPMesh`, built in ``__init__`` (after ``Trainer`` set up
+            ``torch.distributed``).
+
+    Raises:
+        TypeError: a model that is not a DeepSeek-V4 (:func:`enable_deepseek_v4_cp`), ``cp``
+            of another kind. ValueError: an unknown layout or exchange,
+            ``parallelism_config.cp_size > 1`` in the ``TrainingArguments``, a ``cp`` that
+            does not fit the world (:func:`data_cp_mesh`), a batch that differs between the
+            ranks of a CP group (on every rank of it, in the step's first forward).
+        NotImplementedError: evaluation (``prediction_step``): not supported under CP yet.
+    """
+
+    loss_is_scaled_for_ga = True  # the loss is normalised by the whole step's count: Trainer must not divide it
+
+    def __init__(
+        self, model: Any = None, args: Any = None, *more: Any, cp: int | ProcessGroup | Any = 1,
+        layout: Layout = "balanced", exchange: Exchange = "allgather", backend: BackendName | AttentionBackend = "auto",
+        **kwargs: Any,
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if exchange not in ("allgather", "need"):
+            raise ValueError(f"exchange must be 'allgather' or 'need', got {exchange!r}")
+        config = getattr(args, "parallelism_config", None)
+        if config is not None and getattr(config, "cp_size", 1) > 1:
+            raise ValueError(
+                f"args.parallelism_config.cp_size = {config.cp_size}: accelerate would run its own context parallelism"
+                " (torch's SDPA context_parallel under FSDP2) on top of cpkv's: leave it unset and pass cp= to the trainer"
+                " (a size, a group, a DeviceMesh or that ParallelismConfig)"
+            )
+        enable_deepseek_v4_cp(model)  # before Trainer wraps it; raises TypeError for another model
+        super().__init__(model, args, *more, **kwargs)
+        self.cp_layout: Layout = layout
+        self.cp_exchange: Exchange = exchange
+        self.cp_backend: BackendName | AttentionBackend = backend
+        self.cp_mesh = data_cp_mesh(cp, device_type=self.args.device.type)
+
+    def get_train_dataloader(self) -> Any:
+        """``Trainer``'s loader, sharded over the data ranks: every rank of a CP group gets the same batches."""
+        return shard_over_data_ranks(super().get_train_dataloader(), self.cp_mesh)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list[Any], Any]:
+        """The step's ``num_batches`` micro-batches and their :func:`global_num_items` (``Trainer``'s hook)."""
+        batches: list[Any] = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, global_num_items(batches, self.cp_mesh, device)
+
+    def cp_loss(self, model: Any, inputs: Mapping[str, Any], num_items_in_batch: Tensor | int | None = None) -> DeepseekV4CausalLMOutput:
+        """One micro-batch on this rank: :func:`deepseek_v4_causal_lm_loss` with the layout's padding and ``grad_reduction="mean"``.
+
+        Args:
+            model: the model as ``Trainer`` wraps it (DDP, or itself).
+            inputs: a ``DataCollatorWithFlattening`` batch (:func:`packed_batch`).
+            num_items_in_batch: the step's normaliser (default: this micro-batch's, over the mesh).
+
+        Returns:
+            the call's :class:`~cpkv.integrations.transformers_lm.DeepseekV4CausalLMOutput`
+            (its ``loss`` not yet multiplied by ``dp_size``).
+        """
+        batch = packed_batch(inputs)
+        count = global_num_items([inputs], self.cp_mesh, batch.input_ids.device) if num_items_in_batch is None else num_items_in_batch
+        ids, labels, cu, padding = batch.input_ids, batch.labels, batch.cu_seqlens, None
+        if self.cp_layout != "balanced":
+            multiple = self.cp_mesh.cp_size * (2 if self.cp_layout == "zigzag" else 1)
+            padded = pad_documents(torch.stack([ids, labels], dim=1), cu, multiple)
+            ids, labels, cu, padding = padded.x[:, 0], padded.x[:, 1], padded.cu_seqlens, padded.padding
+        return deepseek_v4_causal_lm_loss(
+            model, ids, self.cp_mesh.cp_group, cu_seqlens=cu, labels=labels, layout=self.cp_layout,
+            exchange=self.cp_exchange, grad_reduction="mean", num_items_in_batch=count, ignore_index=IGNORE_INDEX,
+            backend=self.cp_backend, padding=padding,
+        )
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Tensor | int | None = None,
+    ) -> Any:
+        """This rank's loss: :meth:`cp_loss` times ``dp_size`` (``(loss, output)`` with ``return_outputs``).
+
+        Its gradient averaged over all ``dp x cp`` ranks (accelerate's DDP) and summed over
+        the step's micro-batches is one process's gradient of the step's mean loss; its mean
+        over the ranks (what ``Trainer`` logs) is that loss.
+        """
+        output = self.cp_loss(model, inputs, num_items_in_batch)
+        loss = output.loss * self.cp_mesh.dp_size
+        return (loss, output) if return_outputs else loss
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Load a checkpoint's weights into the model as ``from_pretrained`` reads them (``Trainer``'s hook).
+
+        transformers 5.24's ``Trainer`` loads the checkpoint's safetensors into the model with
+        ``load_state_dict(strict=False)``, but ``save_pretrained`` wrote DeepSeek-V4's
+        checkpoint names (``attn.wq_a``, per-expert ``w1``/``w2``/``w3``...), so every key
+        misses and the run resumes from the initial weights with a warning (and it first
+        reads ``config.json`` as a base ``PreTrainedConfig``, which rejects DeepSeek-V4's
+        ``mlp_layer_types``). Here the model's class reads the checkpoint
+        (``from_pretrained``, with the model's config and dtype; for a moment a second copy
+        of the weights on the CPU) and the model takes its ``state_dict`` strictly: the
+        values ``from_pretrained`` gives (it creates DeepSeek-V4's hyper-connection, norm and
+        position-bias parameters in float32, so a float64 model resumes with those rounded).
+        Other models (PEFT adapters, FSDP, DeepSpeed) go to ``Trainer``'s.
+
+        Raises:
+            RuntimeError: the checkpoint's weights do not fit the model (``load_state_dict``).
+        """
+        target: Any = self.model if model is None else model
+        load = getattr(type(target), "from_pretrained", None)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or not callable(load) or not hasattr(target, "config"):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        loaded = load(resume_from_checkpoint, config=target.config, dtype=target.dtype)
+        target.load_state_dict(loaded.state_dict())
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported under CP yet (the evaluation loop gathers per-rank logits and samples over the world)."""
+        raise NotImplementedError(
+            "evaluation is not supported by CPTrainerMixin yet: evaluate with a plain Trainer on an unwrapped model"
+            " (save_pretrained's checkpoints load into one)"
+        )

@@ -1,0 +1,385 @@
+"""Hugging Face's ``Trainer`` under CP (:mod:`cpkv.integrations.hf_trainer`) equals one process's ``Trainer``.
+
+Oracle: a plain ``transformers.Trainer`` in the test process (not distributed) on the same
+documents, ``TrainingArguments``, optimizer (AdamW), linear schedule, gradient clipping and
+gradient accumulation (2), whose ``compute_loss`` runs Hugging Face's model on each document
+alone (batch 1, positions from 0) and divides the summed cross-entropy by Trainer's own
+``num_items_in_batch``; with ``dp`` CP groups its per-device batch is ``dp`` times theirs.
+The CP side is ``CPTrainerMixin`` + ``Trainer`` on gloo ranks with the environment
+``torchrun`` gives (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``...; ``use_cpu=True``), accelerate's
+DDP over every rank. One spawn of 4 ranks runs dp 2 x cp 2 (balanced layout, need exchange;
+then a resume from its step-2 checkpoint), dp 1 x cp 4 (zigzag, padded) and a batch that
+differs on one rank; one spawn of 2 runs dp 1 x cp 2 (contiguous, padded). Compared: every
+step's logged loss and every final parameter.
+
+Tolerances. Both sides run float64 with HF's float32 casts lifted (``hf_oracle.lifted``) and
+the oracle's indexer ties to the earlier entry, as in test_transformers_lm.py, whose
+single-micro-batch bounds are 1e-12 on the loss and 1e-11 relative on gradients. The runs take
+4 SGD-momentum steps (lr 0.1, clipped to norm 1): the parameters are then a linear function
+of the gradients. (AdamW divides by sqrt(v): where a gradient is about 0 its rounding flips
+the update, 3.6e-10 relative on such a tensor.) Measured, at every dp x cp: <= 4.4e-16 on
+every micro-batch's loss (float64, recorded by ``Recording``), <= 1.2e-7 relative on the
+logged loss (Trainer sums it in a float32 tensor), <= 4.1e-14 on the parameters (max |diff|
+over the tensor's max |value|). Bounds: 1e-12, 1e-6, 1e-12. CP groups fed the same batches
+and a missing ``dp`` factor give 2.1 on the loss and the parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4", reason="transformers>=5.23 (the transformers/test extra) is missing")
+pytest.importorskip("accelerate", reason="accelerate (the test extra) is missing")
+
+from cpkv.launch import spawn  # noqa: E402
+from tests.integrations import hf_oracle  # noqa: E402
+from tests.integrations.test_transformers_lm import IGNORE, VOCAB, _model, _no_mask  # noqa: E402
+
+STEPS, ACCUMULATION, PER_DEVICE = 4, 2, 4  # per-device batch of dp 1 (and of the oracle); dp 2: half
+LOSS_ABS, PARAM_REL, LOGGED_REL, RESUME_REL = 1e-12, 1e-12, 1e-6, 1e-13
+
+
+def _documents(count: int = 32, seed: int = 7) -> list[dict[str, list[int]]]:
+    """``count`` documents of 1-20 tokens; unshifted labels with every 5th token ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (int(torch.randint(1, 21, (1,), generator=gen)),), generator=gen)
+        labels = ids.clone()
+        labels[2::5] = IGNORE
+        docs.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return docs
+
+
+def _arguments(output_dir: str, per_device: int, **more: Any) -> Any:
+    from transformers import TrainingArguments
+
+    options: dict[str, Any] = dict(
+        output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS, optim="sgd", optim_args="momentum=0.9", learning_rate=0.1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, seed=0, ddp_find_unused_parameters=False,
+    )
+    return TrainingArguments(**{**options, **more})
+
+
+class Recording:
+    """Put before a Trainer class: records every micro-batch's loss averaged over the ranks, in float64.
+
+    That mean, summed over a step's micro-batches, is the loss ``Trainer`` logs (which it
+    accumulates in a float32 tensor).
+    """
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        import torch.distributed as dist
+
+        loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        total = loss.detach().clone()
+        if self.args.world_size > 1:  # type: ignore[attr-defined]
+            dist.all_reduce(total)
+        self.micro_losses = [*getattr(self, "micro_losses", []), float(total) / self.args.world_size]  # type: ignore[attr-defined]
+        return loss
+
+
+def _result(trainer: Any) -> dict[str, Any]:
+    micro = trainer.micro_losses
+    return {"losses": [a + b for a, b in zip(micro[::2], micro[1::2])], "micro": micro,
+            "logged": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+
+
+# --- the CP side, on every rank --------------------------------------------------------------
+
+
+def _cp_trainer(output_dir: str, cp: Any, docs: Any, dp: int = 1, trainer_options: Any = None, **more: Any) -> Any:
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    from cpkv.integrations.hf_trainer import CPTrainerMixin
+
+    class CPTrainer(Recording, CPTrainerMixin, Trainer):
+        pass
+
+    model = _model()  # built outside hf_oracle.lifted(): HF's init draws depend on the dtype
+    return CPTrainer(model=model, args=_arguments(output_dir, PER_DEVICE // dp, **more), train_dataset=docs,
+                     data_collator=DataCollatorWithFlattening(), cp=cp, backend="reference", **(trainer_options or {}))
+
+
+def _train(trainer: Any, **options: Any) -> dict[str, Any]:
+    with hf_oracle.lifted(), _no_mask():
+        trainer.train(**options)
+    return _result(trainer)
+
+
+def _outcome(call: Any) -> str:
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _set_env(rank: int, world: int) -> None:
+    """What torchrun sets: Trainer's TrainingArguments (accelerate) read it, and find the group already initialised."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"})
+
+
+def _meshes(cp: int, config: Any) -> dict[str, Any]:
+    """This rank's coordinates from a size, the size's group, and an accelerate ParallelismConfig."""
+    from cpkv.integrations.hf_trainer import data_cp_mesh
+
+    by_size = data_cp_mesh(cp)
+    meshes = {"size": by_size, "group": data_cp_mesh(by_size.cp_group), "parallelism_config": data_cp_mesh(config)}
+    return {k: (m.dp_size, m.cp_size, m.dp_rank, m.cp_rank) for k, m in meshes.items()}
+
+
+def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from accelerate import ParallelismConfig
+
+    _set_env(rank, world)
+    docs = _documents()
+    import torch.distributed as dist
+
+    from cpkv.integrations.hf_trainer import data_cp_mesh
+
+    results: dict[str, Any] = {"mesh": _meshes(2, ParallelismConfig(dp_shard_size=2, cp_size=2))}
+    overlapping = [dist.new_group([0, 1, 2]), dist.new_group([2, 3])]  # every rank makes every group
+    results["overlapping"] = _outcome(lambda: data_cp_mesh(overlapping[rank == world - 1]))
+    saving = dict(save_strategy="steps", save_steps=2)
+    run = os.path.join(tmp, "dp2cp2")
+    results["dp2cp2"] = _train(_cp_trainer(run, 2, docs, 2, trainer_options={"exchange": "need"}, **saving))
+    results["checkpoint"] = os.path.join(run, "checkpoint-4")
+    resumed = _cp_trainer(os.path.join(tmp, "resumed"), 2, docs, 2, trainer_options={"exchange": "need"}, **saving)
+    results["resumed"] = _train(resumed, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
+    results["cp4"] = _train(_cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options={"layout": "zigzag"}))
+    if rank == world - 1:  # one rank's documents differ in their first token
+        docs = [{**d, "input_ids": [(d["input_ids"][0] + 1) % VOCAB, *d["input_ids"][1:]]} for d in docs]
+    results["differs"] = _outcome(lambda: _train(_cp_trainer(os.path.join(tmp, "differs"), 4, docs)))
+    if rank:
+        results = {k: v for k, v in results.items() if k in ("mesh", "overlapping", "differs")}  # the others: rank 0's
+    return results
+
+
+def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from accelerate import ParallelismConfig
+
+    _set_env(rank, world)
+    results: dict[str, Any] = {"mesh": _meshes(2, ParallelismConfig(cp_size=2))}
+    trainer = _cp_trainer(os.path.join(tmp, "cp2"), 2, _documents(), trainer_options={"layout": "contiguous"})
+    results["cp2"] = _train(trainer)
+    return results
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn(_four_ranks, 4, str(tmp_path_factory.mktemp("four")), timeout=240.0)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn(_two_ranks, 2, str(tmp_path_factory.mktemp("two")), timeout=200.0)
+
+
+# --- one process: the oracle ------------------------------------------------------------------
+
+
+def _one_process(output_dir: Path) -> dict[str, Any]:
+    """A plain Trainer with the same arguments and data: HF's model on each document alone."""
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    class OneProcess(Recording, Trainer):
+        loss_is_scaled_for_ga = True  # divided by the step's count below
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+            ids, labels, positions = inputs["input_ids"][0], inputs["labels"][0], inputs["position_ids"][0]
+            starts = torch.nonzero(positions == 0).flatten().tolist() + [ids.numel()]
+            total = torch.zeros((), dtype=torch.float64)
+            for start, end in zip(starts[:-1], starts[1:]):
+                logits = model(input_ids=ids[start:end][None], use_cache=False).logits[0]
+                total = total + torch.nn.functional.cross_entropy(logits[:-1], labels[start + 1: end], ignore_index=IGNORE,
+                                                                  reduction="sum")
+            return total / num_items_in_batch
+
+    trainer = OneProcess(model=_model(), args=_arguments(str(output_dir), PER_DEVICE), train_dataset=_documents(),
+                         data_collator=DataCollatorWithFlattening())
+    with hf_oracle.lifted(), hf_oracle.earlier_ties():
+        trainer.train()
+    return _result(trainer)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks; several threads on two busy cores cost up to 10x
+    try:
+        return _one_process(tmp_path_factory.mktemp("one"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _param_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert got.keys() == want.keys()
+    return {n: float((got[n] - w).abs().max() / w.abs().max().clamp(min=1e-300)) for n, w in want.items()}
+
+
+def _check(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Recorded (float64) and logged (float32: Trainer sums in a float32 tensor) losses, and the parameters."""
+    assert len(got["losses"]) == len(want["losses"]) == STEPS and len(got["micro"]) == STEPS * ACCUMULATION
+    assert max(abs(a - b) for a, b in zip(got["micro"], want["micro"])) <= LOSS_ABS, (got["micro"], want["micro"])
+    assert max(abs(a - b) / b for a, b in zip(got["logged"], want["logged"])) <= LOGGED_REL, (got["logged"], want["logged"])
+    errors = _param_errors(got["params"], want["params"])
+    assert max(errors.values()) <= PARAM_REL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    moved = _param_errors(want["params"], {n: p.detach() for n, p in _model().named_parameters()})
+    assert max(moved.values()) > 1e-3  # the steps changed the parameters: the comparison can fail
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("run", ["dp2cp2", "cp4"])
+def test_cp_trainer_equals_one_process(four_ranks: list[dict[str, Any]], one_process: dict[str, Any], run: str) -> None:
+    """dp 2 x cp 2 (balanced, need) and dp 1 x cp 4 (zigzag): every step's loss and every final parameter."""
+    _check(four_ranks[0][run], one_process)
+
+
+@pytest.mark.timeout(300)
+def test_cp_trainer_at_cp2_equals_one_process(two_ranks: list[dict[str, Any]], one_process: dict[str, Any]) -> None:
+    """dp 1 x cp 2 (contiguous, padded)."""
+    _check(two_ranks[0]["cp2"], one_process)
+
+
+def test_a_resumed_run_continues_identically(four_ranks: list[dict[str, Any]], one_process: dict[str, Any]) -> None:
+    """Steps 3 and 4 from the step-2 checkpoint (weights, momentum, schedule, RNG, data position) as the uninterrupted run.
+
+    Not bit for bit by construction: DDP lays its gradient buckets out anew after each run's
+    first step, and gloo's ring sums an element over the ranks in an order that depends on
+    its place in the bucket, so a parameter may differ by an ulp (measured: losses
+    identical, parameters <= 1.4e-17 absolute, 2.4e-15 relative). Bound: 1e-13 (relative); a
+    checkpoint that did not load (transformers' own resume: ``CPTrainerMixin._load_from_checkpoint``)
+    gives 8e-3.
+    """
+    full, resumed = four_ranks[0]["dp2cp2"], four_ranks[0]["resumed"]
+    assert len(resumed["micro"]) == 2 * ACCUMULATION
+    assert max(abs(a - b) for a, b in zip(resumed["micro"], full["micro"][2 * ACCUMULATION:])) <= RESUME_REL
+    assert resumed["logged"][:2] == full["logged"][:2]  # the log history travels in the checkpoint
+    assert max(abs(a - b) / b for a, b in zip(resumed["logged"], full["logged"])) <= LOGGED_REL
+    assert max(_param_errors(resumed["params"], full["params"]).values()) <= RESUME_REL
+
+
+def test_checkpoint_loads_into_an_unwrapped_model(four_ranks: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The checkpoint holds what save_pretrained of a plain model holds (HF's names) and loads into one.
+
+    HF creates DeepSeek-V4's hyper-connection, norm and position-bias parameters in float32
+    whatever ``dtype`` says: those load rounded to float32 (compared at the loaded dtype).
+    """
+    from safetensors import safe_open
+    from transformers import DeepseekV4ForCausalLM
+
+    checkpoint = Path(four_ranks[0]["checkpoint"])
+    _model().save_pretrained(tmp_path)
+    with safe_open(checkpoint / "model.safetensors", "pt") as saved, safe_open(tmp_path / "model.safetensors", "pt") as plain:
+        assert sorted(saved.keys()) == sorted(plain.keys())
+    model, info = DeepseekV4ForCausalLM.from_pretrained(checkpoint, output_loading_info=True, dtype=torch.float64)
+    assert not any(info.values()), info
+    trained = four_ranks[0]["dp2cp2"]["params"]
+    assert list(dict(model.named_parameters())) == list(trained)
+    assert all(torch.equal(p, trained[n].to(p.dtype)) for n, p in model.named_parameters())
+
+
+def test_a_batch_that_differs_within_the_cp_group_raises_on_every_rank(four_ranks: list[dict[str, Any]]) -> None:
+    outcomes = [r["differs"] for r in four_ranks]
+    assert all(o.startswith("ValueError") and "token ids or labels differ" in o for o in outcomes), outcomes
+
+
+def test_meshes_from_a_size_a_group_and_a_parallelism_config(four_ranks: list[dict[str, Any]],
+                                                            two_ranks: list[dict[str, Any]]) -> None:
+    """Contiguous CP groups (CP innermost, as accelerate's meshes): rank r is (r // cp, r % cp)."""
+    for results, dp in ((four_ranks, 2), (two_ranks, 1)):
+        for rank, r in enumerate(results):
+            assert set(r["mesh"].values()) == {(dp, 2, rank // 2, rank % 2)}, r["mesh"]
+    outcomes = [r["overlapping"] for r in four_ranks]  # ranks 0-2 pass {0, 1, 2}, rank 3 passes {2, 3}: every rank raises
+    assert all(o.startswith("ValueError: the CP groups must split the 4 ranks") for o in outcomes), outcomes
+
+
+# --- single process: the pieces ----------------------------------------------------------------
+
+
+def test_shards_are_re_pointed_to_the_data_ranks() -> None:
+    """Accelerate's world shards become dp shards: CP group g reads batches g, g + dp, ... (map-style and iterable)."""
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from cpkv.integrations.hf_trainer import DataCPMesh, shard_over_data_ranks
+
+    batches = BatchSampler(SequentialSampler(range(12)), batch_size=2, drop_last=False)
+    for dp_rank in (0, 1):
+        mesh = DataCPMesh(2, 2, dp_rank, 1, None)  # type: ignore[arg-type]
+        loader = DataLoader(range(12), batch_sampler=BatchSamplerShard(batches, num_processes=4, process_index=3))
+        assert shard_over_data_ranks(loader, mesh) is loader
+        assert list(loader.batch_sampler) == ([[0, 1], [4, 5], [8, 9]] if dp_rank == 0 else [[2, 3], [6, 7], [10, 11]])
+        stream = IterableDatasetShard(range(12), batch_size=2, num_processes=4, process_index=3)
+        shard_over_data_ranks(DataLoader(stream, batch_size=2), mesh)
+        assert list(stream) == ([0, 1, 4, 5, 8, 9] if dp_rank == 0 else [2, 3, 6, 7, 10, 11])
+    with pytest.raises(TypeError, match="dispatch_batches"):
+        shard_over_data_ranks(DataLoader(range(4)), DataCPMesh(2, 2, 0, 0, None))  # type: ignore[arg-type]
+    assert shard_over_data_ranks("unchanged", DataCPMesh(1, 1, 0, 0, None)) == "unchanged"  # type: ignore[arg-type]
+
+
+def test_packed_batch_reads_the_collators_row_and_names_what_is_wrong() -> None:
+    from transformers import DataCollatorWithFlattening
+
+    from cpkv.integrations.hf_trainer import packed_batch
+
+    inputs = DataCollatorWithFlattening()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    batch = packed_batch(inputs)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9] and batch.cu_seqlens.tolist() == [0, 3, 5]
+    assert batch.labels.tolist() == [IGNORE, 6, 7, IGNORE, 9]
+    flash = DataCollatorWithFlattening(return_position_ids=False, return_flash_attn_kwargs=True)([{"input_ids": [5, 6, 7]}])
+    assert packed_batch(flash).cu_seqlens.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="DataCollatorWithFlattening"):
+        packed_batch({**inputs, "attention_mask": torch.ones(1, 5)})
+    with pytest.raises(ValueError, match="position_ids"):
+        packed_batch({"input_ids": inputs["input_ids"]})
+    with pytest.raises(ValueError, match=r"one packed row \[1, T\]"):
+        packed_batch({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="labels must hold input_ids' 5 tokens, got 4"):
+        packed_batch({**inputs, "labels": inputs["labels"][:, :4]})
+
+
+def test_the_trainer_refuses_accelerates_own_cp_and_unknown_options() -> None:
+    """Checked before Trainer builds anything (no process group needed)."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from cpkv.integrations.hf_trainer import CPTrainerMixin
+
+    class CPTrainer(CPTrainerMixin, Trainer):
+        pass
+
+    with pytest.raises(ValueError, match="parallelism_config.cp_size = 2: accelerate would run its own"):
+        CPTrainer(model=None, args=SimpleNamespace(parallelism_config=SimpleNamespace(cp_size=2)), cp=2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        CPTrainer(model=None, args=None, layout="ring")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="DeepseekV4ForCausalLM or DeepseekV4Model"):
+        CPTrainer(model=torch.nn.Linear(2, 2), args=None)
+
+
+# --- the example, at CI size ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_trainer_example_runs(tmp_path: Path) -> None:
+    """examples/hf_trainer_cp.py: 2 Trainer steps at dp 2 x cp 2 and cp 4 on 4 ranks, beside one process."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(root / "examples" / "hf_trainer_cp.py"), "--steps", "2"],
+                          capture_output=True, text=True, timeout=140, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Trainer under CP matches one process" in proc.stdout
+    assert [line.split()[0] for line in proc.stdout.splitlines() if line[:4].strip().isdigit()] == ["0", "1"]
