@@ -107,11 +107,48 @@ def test_readme_load_balance_figures_match_the_bench() -> None:
     assert "mean length 8,192" in text and "(mean 8,192)" in _text(BENCH)
 
 
+def _balanced_figures() -> dict[str, str]:
+    """The layouts table's figures the README and semantics.md quote (max over cp 8-64 and the batch families)."""
+    rows = _table(BENCH, "Layouts")
+    balanced = [r for r in rows if r["layout"] == "balanced"]
+
+    def most(sel: list[Row], *keys: str) -> str:
+        return f"{max(float(r[k]) for r in sel for k in keys):.3f}x"
+
+    def contiguous(batch: str) -> str:
+        return most([r for r in rows if r["layout"] == "contiguous" and r["batch"].startswith(batch)], "V4-Flash cost max/mean")
+
+    return {
+        "cost": most(balanced, "V4-Flash cost max/mean", "V4-Pro cost max/mean"),
+        "tokens": most(balanced, "V4-Flash tokens max/mean"), "pro tokens": most(balanced, "V4-Pro tokens max/mean"),
+        "bytes": most(balanced, "need / contiguous", "V4-Pro need / contiguous"),
+        "one document": contiguous("one document"), "log-normal": contiguous("log-normal"), "short": contiguous("short"),
+    }
+
+
+def test_readme_and_semantics_balanced_figures_match_the_bench() -> None:
+    f = _balanced_figures()
+    assert (f"its busiest rank costs at most {f['cost']} the mean on one document, log-normal packs and short documents"
+            f" (contiguous: up to {f['one document']} on one document), on at most {f['tokens']} the mean tokens, and receives"
+            f" at most {f['bytes']} contiguous's need-exchange bytes") in _text(README)
+    semantics = _text(DOCS / "semantics.md")
+    assert (f"the balanced layout's busiest rank costs at most {f['cost']} the mean for V4-Flash and V4-Pro on one document, log-normal packs"
+            f" and short documents, where contiguous's costs up to {f['one document']} (one document), {f['log-normal']}"
+            f" (log-normal) and {f['short']} (short); its tokens are at most {f['tokens']} the mean (log-normal, V4-Flash;"
+            f" {f['pro tokens']} V4-Pro); its busiest rank's need bytes are at most {f['bytes']} contiguous's") in semantics
+    assert f"costs at most {f['cost']} the mean on one document, log-normal and short-document packs, on at most {f['tokens']}" in semantics
+    assert all(r["targets"] == "met" for r in _table(BENCH, "Layouts", 1))  # the targets table: every family, cp, model
+
+
 def test_readme_quotes_no_other_ratio_figures() -> None:
     """Every ``1/N`` and ``N.NNx`` figure of the README is one the tests above check."""
     text = _text(README)
     assert set(re.findall(r"\b1/\d{2,}\b", text)) == set(re.findall(r"\b1/\d{2,}\b", _need_shares()))
-    assert len(re.findall(r"\b\d+\.\d+x\b", text)) == 1  # the zigzag kv rows
+    f = _balanced_figures()
+    packed = _one(_balance(), scenario="log-normal docs", cp="4")
+    contiguous, zig = (int(v.replace(",", "")) for v in packed["kv rows max: contiguous / zigzag"].split(" / "))
+    quoted = {f["cost"], f["one document"], f["tokens"], f["bytes"], f"{zig / contiguous:.2f}x"}  # and the zigzag kv rows
+    assert set(re.findall(r"\b\d+\.\d+x\b", text)) <= quoted
 
 
 def test_semantics_zigzag_kv_rows_match_the_bench() -> None:

@@ -178,6 +178,19 @@ def layout_planning_times(
     return out
 
 
+def planning_lines(rows: list[tuple[str, int, str, float]], cps: list[int], tokens: int, mean_doc: int,
+                   repeats: int) -> list[str]:
+    """The markdown table of :func:`layout_planning_times`'s rows (ms), one row per layout and exchange."""
+    lines = [f"`plan_attention`, last rank, one thread, median of {repeats}: {tokens:,} tokens, log-normal (mean {mean_doc:,}),"
+             " ratios 4 and 128, window 128 (ms; `custom`: the balanced layout given as a `ShardLayout`)", "",
+             "| layout | exchange | " + " | ".join(f"cp {c}" for c in cps) + " |", "|---|---|" + "---|" * len(cps)]
+    for name in ("contiguous", "zigzag", "balanced", "custom"):
+        for exchange in ("allgather", "need"):
+            cells = [f"{t * 1e3:.1f}" for n, _, e, t in rows if n == name and e == exchange]
+            lines.append(f"| {name} | {exchange} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def planning_main(argv: list[str] | None = None) -> int:
     """``python -m cpkv.bench planning [--tokens N] [--cps ...]``: every layout's planning time, printed as a table."""
     import argparse
@@ -189,12 +202,5 @@ def planning_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     rows = layout_planning_times(args.tokens, args.cps, args.mean_doc, args.repeats)
-    print(f"plan_attention, last rank, one thread, median of {args.repeats}: {args.tokens:,} tokens, log-normal"
-          f" (mean {args.mean_doc:,}), ratios 4 and 128, window 128 (ms)\n")
-    print("| layout | exchange | " + " | ".join(f"cp {c}" for c in args.cps) + " |")
-    print("|---|---|" + "---|" * len(args.cps))
-    for name in ("contiguous", "zigzag", "balanced", "custom"):
-        for exchange in ("allgather", "need"):
-            cells = [f"{t * 1e3:.1f}" for n, _, e, t in rows if n == name and e == exchange]
-            print(f"| {name} | {exchange} | " + " | ".join(cells) + " |")
+    print("\n".join(planning_lines(rows, args.cps, args.tokens, args.mean_doc, args.repeats)))
     return 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cpkv.bench.traffic import lognormal_cu_seqlens
-from cpkv.plan.balance import CostModel, balanced_layout, rank_costs
+from cpkv.plan.balance import COST_SLACK, CostModel, balanced_layout, rank_costs
 from cpkv.plan.conventions import seqlens_to_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, contiguous_layout, layout_from_ranges
 
@@ -105,8 +105,9 @@ def test_lognormal_packs_are_balanced(cp: int, seed: int) -> None:
     brute = _brute_rank_costs(layout, model)
     torch.testing.assert_close(rank_costs(layout, model), brute, rtol=1e-12, atol=0)
     assert float(brute.max() / brute.mean()) <= 1.02
-    longest = int(cu.diff().max())
-    assert float((brute - brute.mean()).abs().max()) <= 2 * float(model.token_costs(torch.tensor([longest - 1])))
+    # Each rank is its share within COST_SLACK (cuts placed to move fewer rows) and two tokens' rounding.
+    longest = float(model.token_costs(torch.tensor([int(cu.diff().max()) - 1])))
+    assert float((brute - brute.mean()).abs().max()) <= COST_SLACK * float(brute.mean()) + 2 * longest
     # Only documents that cross a boundary of the cost line are cut: at most cp - 1 of them.
     holders = torch.zeros(cu.numel() - 1, dtype=torch.int64).index_add_(0, layout.documents, torch.ones_like(layout.documents))
     assert int((holders > 1).sum()) <= cp - 1
