@@ -1,9 +1,9 @@
 """The figures the docs quote match their one home, and the homes label what they measured.
 
 Bench figures live in docs/benchmarks.md (written by ``python -m cpkv.bench``), GPU figures
-in docs/gpu_check.md. The README quotes a few bench figures; these tests recompute each
+in docs/gpu_check.md. The README and docs/guide.md quote a few bench figures; these tests recompute each
 quoted figure from the table it comes from, so a regenerated docs/benchmarks.md that changes
-one fails here until the README is updated. Nothing is timed or re-measured: the tests read
+one fails here until the quoting page is updated. Nothing is timed or re-measured: the tests read
 the Markdown tables, and render the bench's captions from dummy rows.
 """
 
@@ -26,6 +26,7 @@ from cpkv.plan import plan_attention
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
+GUIDE = DOCS / "guide.md"  # the README's depth: the sharding and exchange figures
 Row = dict[str, str]
 
 
@@ -89,11 +90,11 @@ def _balance() -> list[Row]:
 
 
 def test_readme_need_exchange_shares_match_the_bench() -> None:
-    assert _need_shares() in _text(README)
+    assert _need_shares() in _text(GUIDE)
 
 
 def test_readme_load_balance_figures_match_the_bench() -> None:
-    text = _text(README)
+    text = _text(GUIDE)
     one_doc = _one(_balance(), scenario="one document", cp="8")
     assert f"one document at cp 8 gives max/mean work {one_doc['contiguous max/mean']}" in text
     # One document, contiguous: rank r does 2r + 1 units of causal work (mean cp), so the last
@@ -130,7 +131,7 @@ def test_readme_and_semantics_balanced_figures_match_the_bench() -> None:
     f = _balanced_figures()
     assert (f"its busiest rank costs at most {f['cost']} the mean on one document, log-normal packs and short documents"
             f" (contiguous: up to {f['one document']} on one document), on at most {f['tokens']} the mean tokens, and receives"
-            f" at most {f['bytes']} contiguous's need-exchange bytes") in _text(README)
+            f" at most {f['bytes']} contiguous's need-exchange bytes") in _text(GUIDE)
     semantics = _text(DOCS / "semantics.md")
     assert (f"the balanced layout's busiest rank costs at most {f['cost']} the mean for V4-Flash and V4-Pro on one document, log-normal packs"
             f" and short documents, where contiguous's costs up to {f['one document']} (one document), {f['log-normal']}"
@@ -141,8 +142,8 @@ def test_readme_and_semantics_balanced_figures_match_the_bench() -> None:
 
 
 def test_readme_quotes_no_other_ratio_figures() -> None:
-    """Every ``1/N`` and ``N.NNx`` figure of the README is one the tests above check."""
-    text = _text(README)
+    """Every ``1/N`` and ``N.NNx`` figure of the README and the guide is one the tests above check."""
+    text = _text(README) + " " + _text(GUIDE)
     assert set(re.findall(r"\b1/\d{2,}\b", text)) == set(re.findall(r"\b1/\d{2,}\b", _need_shares()))
     f = _balanced_figures()
     packed = _one(_balance(), scenario="log-normal docs", cp="4")

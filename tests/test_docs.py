@@ -107,7 +107,8 @@ def test_public_modules_import_without_optional_dependencies() -> None:
 
 
 @pytest.mark.parametrize(
-    "page", ["design.md", "conventions.md", "semantics.md", "troubleshooting.md", "api.md", "backends.md", "../examples/README.md"]
+    "page", ["design.md", "conventions.md", "semantics.md", "troubleshooting.md", "api.md", "backends.md", "guide.md",
+             "integrations.md", "benchmarks.md", "../README.md", "../examples/README.md"]
 )
 def test_relative_links_resolve(page: str) -> None:
     path = (DOCS / page).resolve()
@@ -239,7 +240,7 @@ def test_primitive_counts_match_the_backend_protocol() -> None:
     protocol = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == AttentionBackend.__name__)
     methods = [f.name for f in protocol.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
     word = NUMBERS[len(methods)]
-    for page in ("README.md", "docs/backends.md", "docs/design.md", "docs/semantics.md"):
+    for page in ("docs/guide.md", "docs/backends.md", "docs/design.md", "docs/semantics.md"):
         text = _read(page)
         counts = re.findall(r"\b(\w+|\d+) primitives\b", text)
         counts = [c for c in counts if c.isdigit() or c in NUMBERS.values()]  # not "dense primitives"
@@ -257,10 +258,10 @@ def _spawned_world(test_file: str, fn: str) -> int:
 
 
 def test_coverage_claims_match_the_tests() -> None:
-    """The cp sizes the README and semantics.md claim for the Hugging Face tests are the ones the tests spawn."""
+    """The cp sizes integrations.md and semantics.md claim for the Hugging Face tests are the ones the tests spawn."""
     lm, padded = (_spawned_world("tests/integrations/test_transformers_lm.py", f) for f in ("_all_cp_sizes", "_padding_and_ranks"))
     attention = _spawned_world("tests/integrations/test_transformers.py", "_all_cp_sizes")
-    readme, semantics = _read("README.md"), _read("docs/semantics.md")
+    readme, semantics = _read("docs/integrations.md"), _read("docs/semantics.md")
     assert f"tested in float64 at cp 1-{lm}, both exchanges, every\nlayout" in readme
     assert f"zigzag with padding and the indexer loss at cp 1-{padded}" in readme
     assert f"That holds at cp 1-{lm} for every layout" in semantics

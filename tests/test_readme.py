@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as written, each in a fresh interpreter.
+"""Every ```python block of README.md, docs/guide.md and docs/integrations.md runs as written, each in a fresh interpreter.
 
 Blocks that need a process group set up their own 1-rank gloo group. The prefix-plan
 block's printed values must equal what its comments claim.
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), flags=re.S | re.M)
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "docs" / "guide.md", ROOT / "docs" / "integrations.md"]
+BLOCKS = [b for page in PAGES for b in re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), flags=re.S | re.M)]
 
 
 def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
