@@ -157,3 +157,47 @@ def test_megatron_terms_match_the_flop_counter() -> None:
     assert got["gqa"] > 0 and got["gqa"] == got["gqa_modeled"], got
     assert got["gqa_window"] == 6 * 1000 + 10  # window left + 1, on the one layer
     assert got["gqa_key"] == 4 * 12
+
+
+def test_megatron_mla_and_moe_terms_match_hf_deepseek_v3() -> None:
+    """Megatron's MLA and MoE modules need CUDA to build, so the count comes from Hugging Face's DeepSeek-V3
+    (MLA with q and kv LoRA, a dense first layer, routed, shared and router MoE), run on CPU under the FLOP
+    counter; the Megatron ``MLATransformerConfig`` of the same shapes gives the modeled terms."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("megatron.core", reason="megatron-core (test extra) is missing")
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from cpkv.plan.cost import megatron_dense_terms
+
+    hf = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6,
+    )
+    hf._attn_implementation, hf._experts_implementation = "eager", "eager"
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(hf)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (1, T)), use_cache=False)
+    prefix = "DeepseekV3ForCausalLM.model.layers."
+    counted = {
+        "attention projections": _module_flops(counter, prefix, (".q_a_proj", ".q_b_proj", ".kv_a_proj_with_mqa", ".kv_b_proj", ".o_proj")),
+        "mlp": _module_flops(counter, prefix + "0.mlp", (".mlp",)),
+        "routed experts": _module_flops(counter, prefix, (".mlp.experts",)),
+        "shared experts": _module_flops(counter, prefix, (".mlp.shared_experts",)),
+        "router": _module_flops(counter, prefix, (".mlp.gate",)),
+        "head": _module_flops(counter, "DeepseekV3ForCausalLM.lm_head", ("lm_head",)),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        megatron = MLATransformerConfig(
+            num_layers=3, hidden_size=32, num_attention_heads=4, multi_latent_attention=True, q_lora_rank=24,
+            kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, ffn_hidden_size=48,
+            gated_linear_unit=True, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+            moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1], use_cpu_initialization=True,
+        )
+    modeled = dict(megatron_dense_terms(megatron, vocab_size=64))
+    assert all(v > 0 for v in counted.values()), counted
+    assert {k: 2 * T * v for k, v in modeled.items()} == counted
