@@ -89,7 +89,7 @@ from cpkv.plan.sharding import (
     zigzag_tnd_index,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AttentionBackend",
