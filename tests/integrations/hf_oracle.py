@@ -44,3 +44,12 @@ def earlier_ties() -> Iterator[None]:
 
     with mock.patch.object(torch.Tensor, "topk", topk):
         yield
+
+
+def outcome(call: Any) -> str:
+    """``"<Error>: <message>"`` of the ``ValueError`` / ``TypeError`` that ``call()`` raises, else ``"no error"``."""
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -114,14 +114,6 @@ def _train(trainer: Any, **options: Any) -> dict[str, Any]:
     return _result(trainer)
 
 
-def _outcome(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError) as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 def _set_env(rank: int, world: int) -> None:
     """What torchrun sets: Trainer's TrainingArguments (accelerate) read it, and find the group already initialised."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
@@ -148,7 +140,7 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     results: dict[str, Any] = {"mesh": _meshes(2, ParallelismConfig(dp_shard_size=2, cp_size=2))}
     overlapping = [dist.new_group([0, 1, 2]), dist.new_group([2, 3])]  # every rank makes every group
-    results["overlapping"] = _outcome(lambda: data_cp_mesh(overlapping[rank == world - 1]))
+    results["overlapping"] = hf_oracle.outcome(lambda: data_cp_mesh(overlapping[rank == world - 1]))
     saving = dict(save_strategy="steps", save_steps=2)
     run = os.path.join(tmp, "dp2cp2")
     results["dp2cp2"] = _train(_cp_trainer(run, 2, docs, 2, trainer_options={"exchange": "need"}, **saving))
@@ -158,7 +150,7 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     results["cp4"] = _train(_cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options={"layout": "zigzag"}))
     if rank == world - 1:  # one rank's documents differ in their first token
         docs = [{**d, "input_ids": [(d["input_ids"][0] + 1) % VOCAB, *d["input_ids"][1:]]} for d in docs]
-    results["differs"] = _outcome(lambda: _train(_cp_trainer(os.path.join(tmp, "differs"), 4, docs)))
+    results["differs"] = hf_oracle.outcome(lambda: _train(_cp_trainer(os.path.join(tmp, "differs"), 4, docs)))
     if rank:
         results = {k: v for k, v in results.items() if k in ("mesh", "overlapping", "differs")}  # the others: rank 0's
     return results

@@ -305,14 +305,6 @@ def _padded_case(model: Any, group: Any, batch: dict[str, Any], cp: int, exchang
             "queries": out.plan.num_global_queries}
 
 
-def _outcome(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError) as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 def _padding_and_ranks(rank: int, world: int) -> dict[str, Any]:
     """cp 1..world: the padded zigzag batch with the indexer loss; at cp ``world``, batches that differ by rank."""
     import torch.distributed as dist
@@ -338,10 +330,10 @@ def _padding_and_ranks(rank: int, world: int) -> dict[str, Any]:
     if rank == world - 1:  # the first token of the last rank's shard: the previous rank's last label
         ids[(world - 1) * local] = (ids[(world - 1) * local] + 1) % VOCAB
     with _no_mask():
-        results["changed_token"] = _outcome(lambda: _run(model, {**batch, "ids": ids}, None))
-        results["changed_token_unchecked"] = _outcome(lambda: _run(model, {**batch, "ids": ids}, None, check_ranks=False))
+        results["changed_token"] = hf_oracle.outcome(lambda: _run(model, {**batch, "ids": ids}, None))
+        results["changed_token_unchecked"] = hf_oracle.outcome(lambda: _run(model, {**batch, "ids": ids}, None, check_ranks=False))
         short = labels[:-1] if rank == 2 else labels
-        results["short_labels"] = _outcome(lambda: _run(model, {**batch, "labels": short}, None))
+        results["short_labels"] = hf_oracle.outcome(lambda: _run(model, {**batch, "labels": short}, None))
     return results
 
 
