@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from cpkv.checks import check_int, check_rank
 from cpkv.integrations.causal_lm import cu_seqlens_from_position_ids, shift_labels
 from cpkv.plan.attention import LAYOUTS, AttentionPlan, Exchange, Layout, plan_attention
 
-__all__ = ["PackedCPBatch", "PackedCPCollator", "flatten_examples"]
+__all__ = ["PackedBatch", "PackedCPBatch", "PackedCPCollator", "flatten_examples", "packed_batch"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,13 +98,67 @@ def flatten_examples(features: Sequence[Mapping[str, Any]], *, ignore_index: int
     return {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(positions)}
 
 
+class PackedBatch(NamedTuple):
+    """One packed row of ``DataCollatorWithFlattening``: ``[T]`` ids, ``[T]`` unshifted labels, ``[B + 1]`` cu_seqlens."""
+
+    input_ids: Tensor
+    labels: Tensor
+    cu_seqlens: Tensor
+
+
+def packed_batch(inputs: Mapping[str, Any]) -> PackedBatch:
+    """A ``DataCollatorWithFlattening`` batch as ids, labels and ``cu_seqlens`` (one packed row).
+
+    Args:
+        inputs: ``input_ids`` ``[1, T]``, ``position_ids`` ``[1, T]`` restarting at 0 at every
+            document (or ``cu_seq_lens_q``, the collator's ``return_flash_attn_kwargs=True``
+            form), optional ``labels`` ``[1, T]`` (Hugging Face's unshifted convention; default
+            the ids). Other keys (``seq_idx``, ``max_length_q``...) are ignored.
+
+    Returns:
+        :class:`PackedBatch`, on ``input_ids``' device (``cu_seqlens`` int64).
+
+    Raises:
+        ValueError: no ``input_ids``, an ``attention_mask`` (a padded ``[B, L]`` batch: pack it
+            with ``DataCollatorWithFlattening``), no document boundaries, or ids, labels and
+            boundaries that are not one packed row of one length.
+    """
+    if "input_ids" not in inputs:
+        raise ValueError(f"inputs must hold input_ids, got keys {sorted(inputs)}")
+    if inputs.get("attention_mask") is not None:
+        raise ValueError(
+            "inputs must be one packed row without attention_mask under CP (a padded [B, L] batch"
+            " is not supported): collate with transformers' DataCollatorWithFlattening"
+        )
+    ids = inputs["input_ids"] if isinstance(inputs["input_ids"], Tensor) else torch.as_tensor(inputs["input_ids"])
+    if ids.is_floating_point() or ids.ndim not in (1, 2) or (ids.ndim == 2 and ids.shape[0] != 1):
+        got = f"{ids.dtype} {tuple(ids.shape)}"
+        raise ValueError(f"input_ids must be one packed row [1, T] (DataCollatorWithFlattening), got {got}")
+    flat = ids.reshape(-1)
+    if inputs.get("position_ids") is not None:
+        cu = cu_seqlens_from_position_ids(inputs["position_ids"])
+    elif inputs.get("cu_seq_lens_q") is not None:
+        cu = torch.as_tensor(inputs["cu_seq_lens_q"], device=flat.device).long()
+    else:
+        raise ValueError("inputs must hold position_ids (or cu_seq_lens_q): DataCollatorWithFlattening's document boundaries")
+    if int(cu[-1]) != flat.numel():
+        raise ValueError(f"the document boundaries (position_ids or cu_seq_lens_q) must cover input_ids' {flat.numel()} tokens,"
+                         f" got {int(cu[-1])}")
+    labels = inputs.get("labels")
+    targets = flat if labels is None else torch.as_tensor(labels).reshape(-1).to(flat.device)
+    if targets.numel() != flat.numel():
+        raise ValueError(f"labels must hold input_ids' {flat.numel()} tokens, got {targets.numel()}")
+    return PackedBatch(flat, targets, cu.to(flat.device))
+
+
 @dataclass(frozen=True)
 class PackedCPCollator:
     """``collate_fn`` of a data loader on CP rank ``cp_rank``: examples (or one packed row) in, :class:`PackedCPBatch` out.
 
     Call it with a list of examples (``{"input_ids": ..., "labels": ...}``, packed as
     ``DataCollatorWithFlattening`` does, :func:`flatten_examples`) or with one packed mapping
-    ``{"input_ids": [T] or [1, T], "position_ids": positions restarting at 0, "labels": optional}``.
+    ``{"input_ids": [T] or [1, T], "position_ids": positions restarting at 0, "labels": optional}``
+    (:func:`packed_batch`, the parser :mod:`cpkv.integrations.hf_trainer` uses too).
 
     Attributes:
         cp_size, cp_rank: the CP group and this rank (the data loader of each rank makes its part).
@@ -115,8 +169,8 @@ class PackedCPCollator:
 
     Raises:
         TypeError, ValueError: a bad ``cp_size``/``cp_rank``/``layout`` (at construction); what
-            :func:`flatten_examples`, :func:`~cpkv.integrations.causal_lm.cu_seqlens_from_position_ids`
-            and :func:`cpkv.plan_attention` reject (at the call).
+            :func:`flatten_examples`, :func:`packed_batch` and :func:`cpkv.plan_attention` reject
+            (at the call).
     """
 
     cp_size: int
@@ -137,19 +191,8 @@ class PackedCPCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> PackedCPBatch:
         """This rank's :class:`PackedCPBatch` of the packed examples (CPU tensors)."""
-        if isinstance(features, Mapping):
-            ids = _row("input_ids", features["input_ids"])
-            positions = _row("position_ids", features["position_ids"])
-            given = features.get("labels")
-            labels = ids.clone() if given is None else _row("labels", given)
-            if labels.shape != ids.shape:
-                raise ValueError(f"labels must have input_ids' {ids.numel()} tokens, got {labels.numel()}")
-        else:
-            packed = flatten_examples(features, ignore_index=self.ignore_index)
-            ids, labels, positions = packed["input_ids"], packed["labels"], packed["position_ids"]
-        if positions.shape != ids.shape:
-            raise ValueError(f"position_ids must have input_ids' {ids.numel()} tokens, got {positions.numel()}")
-        cu = cu_seqlens_from_position_ids(positions)
+        packed = packed_batch(features if isinstance(features, Mapping) else flatten_examples(features, ignore_index=self.ignore_index))
+        ids, labels, cu = packed.input_ids, packed.labels, packed.cu_seqlens
         plan = plan_attention(cu, self.cp_size, self.cp_rank, layout=self.layout, exchange=self.exchange,
                               **dict(self.plan_options))
         shifted = shift_labels(labels, cu, ignore_index=self.ignore_index)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,8 @@ from torch.distributed import ProcessGroup
 
 from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_int
-from cpkv.integrations.causal_lm import cu_seqlens_from_position_ids, shift_labels
+from cpkv.integrations.causal_lm import shift_labels
+from cpkv.integrations.collate import packed_batch
 from cpkv.integrations.transformers_lm import (
     DeepseekV4CausalLMOutput,
     deepseek_v4_causal_lm_loss,
@@ -65,10 +66,8 @@ else:
 __all__ = [
     "CPTrainerMixin",
     "DataCPMesh",
-    "PackedBatch",
     "data_cp_mesh",
     "global_num_items",
-    "packed_batch",
     "shard_over_data_ranks",
 ]
 
@@ -210,58 +209,6 @@ def shard_over_data_ranks(dataloader: Any, mesh: DataCPMesh) -> Any:
     return dataloader
 
 
-class PackedBatch(NamedTuple):
-    """One packed row of ``DataCollatorWithFlattening``: ``[T]`` ids, ``[T]`` unshifted labels, ``[B + 1]`` cu_seqlens."""
-
-    input_ids: Tensor
-    labels: Tensor
-    cu_seqlens: Tensor
-
-
-def packed_batch(inputs: Mapping[str, Any]) -> PackedBatch:
-    """A ``DataCollatorWithFlattening`` batch as ids, labels and ``cu_seqlens`` (one packed row).
-
-    Args:
-        inputs: ``input_ids`` ``[1, T]``, ``position_ids`` ``[1, T]`` restarting at 0 at every
-            document (or ``cu_seq_lens_q``, the collator's ``return_flash_attn_kwargs=True``
-            form), optional ``labels`` ``[1, T]`` (Hugging Face's unshifted convention; default
-            the ids). Other keys (``seq_idx``, ``max_length_q``...) are ignored.
-
-    Returns:
-        :class:`PackedBatch`, on ``input_ids``' device (``cu_seqlens`` int64).
-
-    Raises:
-        ValueError: no ``input_ids``, an ``attention_mask`` (a padded ``[B, L]`` batch: pack it
-            with ``DataCollatorWithFlattening``), no document boundaries, or ids, labels and
-            boundaries that are not one packed row of one length.
-    """
-    if "input_ids" not in inputs:
-        raise ValueError(f"inputs must hold input_ids, got keys {sorted(inputs)}")
-    if inputs.get("attention_mask") is not None:
-        raise ValueError(
-            "inputs must be one packed row without attention_mask under CP (a padded [B, L] batch"
-            " is not supported): collate with transformers' DataCollatorWithFlattening"
-        )
-    ids = inputs["input_ids"]
-    if not isinstance(ids, Tensor) or ids.ndim not in (1, 2) or (ids.ndim == 2 and ids.shape[0] != 1):
-        got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"input_ids must be one packed row [1, T] (DataCollatorWithFlattening), got {got}")
-    flat = ids.reshape(-1)
-    if inputs.get("position_ids") is not None:
-        cu = cu_seqlens_from_position_ids(inputs["position_ids"])
-    elif inputs.get("cu_seq_lens_q") is not None:
-        cu = torch.as_tensor(inputs["cu_seq_lens_q"], device=flat.device).long()
-    else:
-        raise ValueError("inputs must hold position_ids (or cu_seq_lens_q): DataCollatorWithFlattening's document boundaries")
-    if int(cu[-1]) != flat.numel():
-        raise ValueError(f"the document boundaries must cover input_ids' {flat.numel()} tokens, got {int(cu[-1])}")
-    labels = inputs.get("labels")
-    targets = flat if labels is None else labels.reshape(-1)
-    if targets.numel() != flat.numel():
-        raise ValueError(f"labels must hold input_ids' {flat.numel()} tokens, got {targets.numel()}")
-    return PackedBatch(flat, targets, cu.to(flat.device))
-
-
 def global_num_items(batches: Sequence[Mapping[str, Any]], mesh: DataCPMesh, device: torch.device | str) -> Tensor:
     """The loss normaliser of one optimizer step: valid next-token labels over all micro-batches and CP groups.
 
@@ -281,7 +228,7 @@ def global_num_items(batches: Sequence[Mapping[str, Any]], mesh: DataCPMesh, dev
         0-d int64 on ``device``, the same on every rank.
 
     Raises:
-        ValueError: a malformed batch (:func:`packed_batch`).
+        ValueError: a malformed batch (:func:`~cpkv.integrations.collate.packed_batch`).
     """
     count = torch.zeros((), dtype=torch.int64)
     for inputs in batches:
@@ -372,7 +319,7 @@ class CPTrainerMixin(_TrainerBase):
 
         Args:
             model: the model as ``Trainer`` wraps it (DDP, or itself).
-            inputs: a ``DataCollatorWithFlattening`` batch (:func:`packed_batch`).
+            inputs: a ``DataCollatorWithFlattening`` batch (:func:`~cpkv.integrations.collate.packed_batch`).
             num_items_in_batch: the step's normaliser (default: this micro-batch's, over the mesh).
 
         Returns:

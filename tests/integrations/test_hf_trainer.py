@@ -322,7 +322,7 @@ def test_shards_are_re_pointed_to_the_data_ranks() -> None:
 def test_packed_batch_reads_the_collators_row_and_names_what_is_wrong() -> None:
     from transformers import DataCollatorWithFlattening
 
-    from cpkv.integrations.hf_trainer import packed_batch
+    from cpkv.integrations.collate import packed_batch
 
     inputs = DataCollatorWithFlattening()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
     batch = packed_batch(inputs)
