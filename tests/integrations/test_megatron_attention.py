@@ -211,6 +211,22 @@ class MicroBatch(NamedTuple):
     w_full: torch.Tensor  # its loss weights
 
 
+def _layer_batch(mc: SimpleNamespace, layer: nn.Module, ref: nn.Module, padded: list[int], hidden: int, seed: int,
+                 emb: torch.Tensor | None = None) -> MicroBatch:
+    """REAL's documents (padded as ``padded`` on the CP side) through ``layer`` and the unpadded ``ref``, float64 inputs."""
+    params, params_ref = _params(mc, REAL, padded), _params(mc, REAL, None)
+    rope = {} if emb is None else {"rotary_pos_emb": emb}
+    gen = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(sum(REAL), 1, hidden, generator=gen, dtype=torch.float64)
+    w_full = torch.randn(sum(REAL), 1, hidden, generator=gen, dtype=torch.float64)
+    return MicroBatch(
+        REAL, padded,
+        lambda x: layer(x, attention_mask=None, packed_seq_params=params, **rope)[0],
+        lambda x: ref(x, attention_mask=None, packed_seq_params=params_ref, **rope)[0],
+        x_full, w_full,
+    )
+
+
 def _compare(name: str, rank: int, cp_module: nn.Module, ref_module: nn.Module, batches: list[MicroBatch],
              group: Any, cp: int = CP) -> dict[str, float]:
     """Run every micro-batch forward on both sides, then one backward of their summed losses; this rank's errors.
@@ -302,16 +318,7 @@ def _gqa_layer_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any]) -> dic
     sharded = layer.sharded_state_dict(metadata={"dp_cp_group": pgs[0].dp_cp})  # Megatron's dist checkpoint
     assert "self_attention.core_attention.softmax_offset" in sharded
     emb = _rope(mc, 6, max(PADDED))
-    params, params_ref = _params(mc, REAL, PADDED), _params(mc, REAL, None)
-    gen = torch.Generator().manual_seed(7)
-    x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-    w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-    batch = MicroBatch(
-        REAL, PADDED,
-        lambda x: layer(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params)[0],
-        lambda x: ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)[0],
-        x_full, w_full,
-    )
+    batch = _layer_batch(mc, layer, ref, PADDED, 24, 7, emb)
     return _compare("gqa", rank, layer, ref, [batch], pgs[0].cp)
 
 
@@ -376,16 +383,7 @@ def _mla_case(mc: SimpleNamespace, rank: int, pgs: tuple[Any, Any], cp: int = CP
                                  _config(mc, 1, mc.MLATransformerConfig, **options))
         assert layer.self_attention.core_attention.v_channels == 5
         padded = _padded(REAL, cp)
-        params, params_ref = _params(mc, REAL, padded), _params(mc, REAL, None)
-        gen = torch.Generator().manual_seed(9)
-        x_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-        w_full = torch.randn(sum(REAL), 1, 24, generator=gen, dtype=torch.float64)
-        batch = MicroBatch(
-            REAL, padded,
-            lambda x: layer(x, attention_mask=None, packed_seq_params=params)[0],
-            lambda x: ref(x, attention_mask=None, packed_seq_params=params_ref)[0],
-            x_full, w_full,
-        )
+        batch = _layer_batch(mc, layer, ref, padded, 24, 9)
         with count_bytes() as counter:
             errors = _compare("mla", rank, layer, ref, [batch], pgs[0].cp, cp)
         return {**errors, "mla/collectives": float(counter.num_calls)}
@@ -418,16 +416,7 @@ def _heads_case(mc: SimpleNamespace, rank: int, cp: int, pgs: tuple[Any, Any], n
     assert isinstance(core, CPKVCoreAttention) and core.exchange == megatron_exchange(comm)
     padded = _padded(REAL, cp)
     emb = _rope(mc, 4, max(padded))
-    params, params_ref = _params(mc, REAL, padded), _params(mc, REAL, None)
-    gen = torch.Generator().manual_seed(20 + groups)
-    x_full = torch.randn(sum(REAL), 1, 32, generator=gen, dtype=torch.float64)
-    w_full = torch.randn(sum(REAL), 1, 32, generator=gen, dtype=torch.float64)
-    batch = MicroBatch(
-        REAL, padded,
-        lambda x: layer(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params)[0],
-        lambda x: ref(x, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=params_ref)[0],
-        x_full, w_full,
-    )
+    batch = _layer_batch(mc, layer, ref, padded, 32, 20 + groups, emb)
     with count_bytes() as counter:
         errors = _compare(name, rank, layer, ref, [batch], pgs[0].cp, cp)
     return {**errors, f"{name}/collectives": float(counter.num_calls), f"{name}/bytes": float(counter.total)}
