@@ -31,7 +31,7 @@ from torch import Tensor
 
 from cpkv.agreement import agree_in_order
 from cpkv.backends import get_backend
-from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName
+from cpkv.backends.base import AttentionBackend, AttentionResult, BackendName, CompressedLayer, CompressedLayerBackend
 from cpkv.checks import check_int, check_ndim, check_tensor
 from cpkv.collectives import BackwardOrder, Group, check_group
 from cpkv.comm import gather_from_sp_cp
@@ -593,9 +593,15 @@ def attention_forward(
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
         indices = torch.cat([source.segments.window_indices(window), cmp_rows], dim=1)
-        if selected is not None and spec.indexer_loss and not source.rounds:  # the KL target from this call's LSE
+        wants_probs = selected is not None and spec.indexer_loss and not source.rounds  # the KL target from this call's LSE
+        probs_from = indices.shape[1] - cmp_rows.shape[1]
+        if isinstance(ops, CompressedLayerBackend):  # one kernel call given the layer's structure (NPU fused)
+            layer = CompressedLayer(source.segments, visible, window, num_kv, selected)
+            local, probs = ops.compressed_attention(q, kv_all, indices, layer, d_v=spec.d_v, scale=scale, sinks=local_sinks,
+                                                    probs_from=probs_from if wants_probs else None)
+        elif wants_probs:
             local, probs = ops.sparse_attention_probs(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks,
-                                                      probs_from=indices.shape[1] - cmp_rows.shape[1])
+                                                      probs_from=probs_from)
         else:
             local = ops.sparse_attention(q, kv_all, indices, d_v=spec.d_v, scale=scale, sinks=local_sinks)
         ratio = spec.compress_ratio

@@ -16,13 +16,17 @@ A backend that cannot serve a call with a kernel falls back to the reference op 
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor
 
 from cpkv.plan.segments import EntryVisibility, KeyRanges, SegmentPlan
 
-__all__ = ["AttentionBackend", "AttentionResult", "BackendName", "KeyRanges"]
+__all__ = [
+    "AttentionBackend", "AttentionResult", "BackendName", "CompressedLayer", "CompressedLayerBackend", "CompressedResult",
+    "KeyRanges",
+]
 
 BackendName = Literal["reference", "cuda", "npu", "auto"]
 """A backend by name: ``"auto"`` picks by the tensors' device (npu, cuda, else reference)."""
@@ -96,4 +100,63 @@ class AttentionBackend(Protocol):
         """``(loss, anchor)`` of ``cpkv::indexer_kl`` (:func:`cpkv.indexer_loss.indexer_kl_op`): the KL over the
         selected entries ``[T_q, K]``, whose backward injects ``grad_factor`` times its gradients into
         q_index, k_index and weights."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedLayer:
+    """The structure of one compressed layer's attention call, for kernels that take a layer whole.
+
+    The call's kv buffer ``[N, D]`` is the window kv (rows ``[0, num_kv)``, described by
+    ``segments``) followed by the layer's compressed entries (rows ``num_kv + j``, laid out
+    as ``visible.cu_seqlens`` says: segment ``b``'s entries at ``[cu[b], cu[b + 1])``).
+    Both describe the same query segments (the rank's ranges, in order).
+
+    Attributes:
+        segments: the queries' segments over the window kv (bottom-right aligned, possibly
+            lacking rows at a document's front under the need exchange).
+        visible: the entries each query may see at the layer's ratio (``cu_seqlens`` from
+            the full-prefix **kv** lengths).
+        window: ``W``: a query sees its own token and the ``W - 1`` before it.
+        num_kv: rows of window kv before the entries.
+        selected: ``[T, K]`` int64 entry rows (``0 <= j < N_c``) the indexer chose, -1 padded;
+            ``None``: every visible entry (COMPRESSOR_ONLY).
+    """
+
+    segments: SegmentPlan
+    visible: EntryVisibility
+    window: int
+    num_kv: int
+    selected: Tensor | None
+
+
+class CompressedResult(NamedTuple):
+    """:meth:`CompressedLayerBackend.compressed_attention`'s result.
+
+    Attributes:
+        result: the layer's :class:`AttentionResult` (``out [T, H, d_v]``, ``lse [T, H]``).
+        probs: ``[T, K]`` fp32 head-summed probabilities of the selected entries under
+            ``result.lse`` (the indexer KL target, no gradient) when asked for, else ``None``.
+    """
+
+    result: AttentionResult
+    probs: Tensor | None
+
+
+@runtime_checkable
+class CompressedLayerBackend(Protocol):
+    """An optional capability: one kernel call per compressed layer, given the layer's structure.
+
+    The pipeline calls :meth:`compressed_attention` instead of ``sparse_attention`` /
+    ``sparse_attention_probs`` when its backend has it (the NPU backend's fused
+    ``sparse_flash_mla`` path); the result must equal theirs on the same ``indices``.
+    """
+
+    def compressed_attention(
+        self, q: Tensor, kv: Tensor, indices: Tensor, layer: CompressedLayer, *,
+        d_v: int, scale: float, sinks: Tensor | None, probs_from: int | None,
+    ) -> CompressedResult:
+        """Attention of q ``[T, H, D]`` over rows ``indices`` ``[T, K]`` of kv ``[N, D]`` (window rows, then
+        entry rows; ``layer`` says the same in segment form), with the KL target of the columns
+        ``>= probs_from`` when it is not ``None``."""
         ...

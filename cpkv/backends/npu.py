@@ -64,7 +64,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from cpkv.backends.base import AttentionResult, KeyRanges
+from cpkv.backends.base import AttentionResult, CompressedLayer, CompressedResult, KeyRanges
+from cpkv.backends.npu_fused import fused_indexer_kl, fused_limit_reason, kl_limit_reason, sparse_flash_mla
 from cpkv.backends.reference import ReferenceBackend
 from cpkv.plan.segments import EntryVisibility, SegmentPlan
 
@@ -178,6 +179,16 @@ def indexer_calls(q_positions: Tensor, q_doc_rows: Tensor, visible: EntryVisibil
     return calls
 
 
+def _import(name: str, need: str) -> Any:
+    """``import name``, or a ``RuntimeError`` saying what needs it (importing it where CANN is missing may fail oddly)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as err:  # ImportError, or CANN's own errors while loading
+        raise RuntimeError(
+            f"{need}; importing {name} failed: {err!r}. Use backend='reference' or 'cuda' elsewhere."
+        ) from err
+
+
 class NPUBackend:
     """torch_npu's fused ops behind the :class:`~cpkv.backends.AttentionBackend` interface.
 
@@ -187,35 +198,57 @@ class NPUBackend:
         check_dtypes: fall back to the reference for dtypes the kernels do not take;
             False passes every floating dtype to the kernels (stand-ins, newer CANN).
         block_size: block size of the reference ops used in fallbacks and ``selected_probs``.
+        fused_ops_module: ``cann_ops_transformer.ops`` (CANN's custom ops: ``sparse_flash_mla``,
+            its grad and metadata calls, ``sparse_lightning_indexer_kl_loss_grad``) or a
+            stand-in; default: imported here unless ``fused=False``.
+        fused: the attention path (:attr:`attention_path`): ``None`` fused when the custom
+            ops import, else composed; ``True`` fused or ``RuntimeError``; ``False`` composed.
+        kernel_limits: use the fused ops only within their documented A2/A3 limits (D=512,
+            window 128, ratios 4/128, ...), the composed path elsewhere (one warning per
+            reason); False passes every shape (stand-ins, newer CANN).
 
     Raises:
-        RuntimeError: torch_npu cannot be imported (it needs Ascend's CANN).
+        RuntimeError: torch_npu cannot be imported (it needs Ascend's CANN), or ``fused=True``
+            without the custom ops. TypeError: ``fused`` not a bool or None.
     """
 
     name = "npu"
 
-    def __init__(self, torch_npu_module: Any | None = None, *, check_dtypes: bool = True, block_size: int = 1024) -> None:
+    def __init__(
+        self, torch_npu_module: Any | None = None, *, check_dtypes: bool = True, block_size: int = 1024,
+        fused_ops_module: Any | None = None, fused: bool | None = None, kernel_limits: bool = True,
+    ) -> None:
         if torch_npu_module is None:
+            torch_npu_module = _import("torch_npu", "NPUBackend needs torch_npu with Ascend's CANN toolkit installed")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be None, True or False, got {type(fused).__name__}")
+        if fused_ops_module is None and fused is not False:
             try:
-                torch_npu_module = importlib.import_module("torch_npu")
-            except Exception as err:  # ImportError, or CANN's own errors while loading
-                raise RuntimeError(
-                    "NPUBackend needs torch_npu with Ascend's CANN toolkit installed; "
-                    f"importing torch_npu failed: {err!r}. Use backend='reference' or 'cuda' elsewhere."
-                ) from err
+                fused_ops_module = _import("cann_ops_transformer.ops", "NPUBackend(fused=True) needs CANN's custom ops")
+            except RuntimeError:
+                if fused:
+                    raise
         self._npu = torch_npu_module
+        self._fused = fused_ops_module if fused is not False else None
         self._check_dtypes = check_dtypes
+        self._kernel_limits = kernel_limits
         self._reference = ReferenceBackend(block_size)
         self._warned: set[str] = set()
         self._masks: dict[str, Tensor] = {}
 
-    def _fallback(self, reason: str | None) -> bool:
-        """Warn once per reason; True when the reference must serve the call."""
+    @property
+    def attention_path(self) -> str:
+        """``"fused"`` (``sparse_flash_mla``: one call per compressed layer; the indexer KL on its grad op) or
+        ``"composed"`` (``npu_sparse_flash_attention``, reference KL), fixed at construction."""
+        return "composed" if self._fused is None else "fused"
+
+    def _fallback(self, reason: str | None, to: str = "the reference") -> bool:
+        """Warn once per reason; True when ``to`` (the reference, or the composed path) must serve the call."""
         if reason is None:
             return False
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"NPUBackend: falling back to the reference for {reason}", UserWarning, stacklevel=3)
+            warnings.warn(f"NPUBackend: falling back to {to} for {reason}", UserWarning, stacklevel=3)
         return True
 
     def _dtype_reason(self, op: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> str | None:
@@ -379,9 +412,50 @@ class NPUBackend:
     def indexer_kl(
         self, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
     ) -> tuple[Tensor, Tensor]:
-        """``(loss, anchor)`` of the reference ``cpkv::indexer_kl`` (torch ops on the device tensors).
+        """``(loss, anchor)`` of ``cpkv::indexer_kl`` (contract: :func:`cpkv.indexer_loss.indexer_kl_op`).
 
-        No torch_npu op is called for it (docs/backends.md); contract:
-        :func:`cpkv.indexer_loss.indexer_kl_op`.
+        Fused path: ``sparse_lightning_indexer_kl_loss_grad`` (:func:`~cpkv.backends.npu_fused.fused_indexer_kl`),
+        within its limits (D_I=128, H_I in 8..64, K in 512..8192, fp16/bf16); else, and on the
+        composed path, the reference op on the device tensors.
         """
+        if self._fused is not None and selected.shape[0] > 0:
+            reason = kl_limit_reason(q_index, selected, self._check_dtypes) if self._kernel_limits else None
+            if not self._fallback(reason):
+                return fused_indexer_kl(self._fused, q_index, k_index, weights, selected, target, grad_factor)
         return self._reference.indexer_kl(q_index, k_index, weights, selected, target, grad_factor)
+
+    def compressed_attention(
+        self, q: Tensor, kv: Tensor, indices: Tensor, layer: CompressedLayer, *,
+        d_v: int, scale: float, sinks: Tensor | None, probs_from: int | None,
+    ) -> CompressedResult:
+        """A compressed layer's attention: one ``sparse_flash_mla`` call (fused path) or :meth:`sparse_attention`.
+
+        Args:
+            q: ``[T, H, D]``. kv: ``[num_kv + N_c, D]`` window kv, then entries. indices: ``[T, K]``
+                the same rows listed (composed path, KL target). layer: the structure
+                (:class:`~cpkv.backends.base.CompressedLayer`). d_v: value channels.
+            scale: softmax scale. sinks: ``[H]`` or None. probs_from: first column of ``indices``
+                whose head-summed probabilities to return (the KL target), or None.
+
+        Returns:
+            :class:`~cpkv.backends.base.CompressedResult`: out ``[T, H, d_v]``, lse ``[T, H]`` fp32
+            (no gradient) and the target from that LSE (``selected_probs``), when asked for.
+        """
+        if self._fused is None or q.shape[0] == 0:
+            return self._composed(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks, probs_from=probs_from)
+        reason = fused_limit_reason(q, layer, self._check_dtypes) if self._kernel_limits else None
+        if self._fallback(reason, to="the composed path"):
+            return self._composed(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks, probs_from=probs_from)
+        out, lse = sparse_flash_mla(self._fused, q, kv, layer, scale=scale, sinks=sinks)
+        result = AttentionResult(out[..., :d_v], lse)
+        if probs_from is None:
+            return CompressedResult(result, None)
+        return CompressedResult(result, self.selected_probs(q, kv, indices[:, probs_from:], lse, scale=scale))
+
+    def _composed(
+        self, q: Tensor, kv: Tensor, indices: Tensor, *, d_v: int, scale: float, sinks: Tensor | None, probs_from: int | None,
+    ) -> CompressedResult:
+        if probs_from is None:
+            return CompressedResult(self.sparse_attention(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks), None)
+        return CompressedResult(*self.sparse_attention_probs(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks,
+                                                             probs_from=probs_from))
