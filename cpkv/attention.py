@@ -596,7 +596,7 @@ def attention_forward(
         wants_probs = selected is not None and spec.indexer_loss and not source.rounds  # the KL target from this call's LSE
         probs_from = indices.shape[1] - cmp_rows.shape[1]
         if isinstance(ops, CompressedLayerBackend):  # one kernel call given the layer's structure (NPU fused)
-            layer = CompressedLayer(source.segments, visible, window, num_kv, selected)
+            layer = CompressedLayer(source.segments, plan.segments, visible, window, num_kv, selected)
             local, probs = ops.compressed_attention(q, kv_all, indices, layer, d_v=spec.d_v, scale=scale, sinks=local_sinks,
                                                     probs_from=probs_from if wants_probs else None)
         elif wants_probs:

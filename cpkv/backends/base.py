@@ -109,14 +109,17 @@ class CompressedLayer:
 
     The call's kv buffer ``[N, D]`` is the window kv (rows ``[0, num_kv)``, described by
     ``segments``) followed by the layer's compressed entries (rows ``num_kv + j``, laid out
-    as ``visible.cu_seqlens`` says: segment ``b``'s entries at ``[cu[b], cu[b + 1])``).
-    Both describe the same query segments (the rank's ranges, in order).
+    as ``visible`` says: per segment under the all-gather, per document under the need
+    exchange). ``segments`` and ``prefix`` describe the same query segments (the rank's
+    ranges, in order).
 
     Attributes:
         segments: the queries' segments over the window kv (bottom-right aligned, possibly
             lacking rows at a document's front under the need exchange).
-        visible: the entries each query may see at the layer's ratio (``cu_seqlens`` from
-            the full-prefix **kv** lengths).
+        prefix: the same queries over their full causal prefixes (``AttentionPlan.segments``):
+            its kv lengths are the lengths the compressed entries count from.
+        visible: the entries each query may see in the entry buffer at the layer's ratio
+            (``AttentionPlan.visible_for``).
         window: ``W``: a query sees its own token and the ``W - 1`` before it.
         num_kv: rows of window kv before the entries.
         selected: ``[T, K]`` int64 entry rows (``0 <= j < N_c``) the indexer chose, -1 padded;
@@ -124,6 +127,7 @@ class CompressedLayer:
     """
 
     segments: SegmentPlan
+    prefix: SegmentPlan
     visible: EntryVisibility
     window: int
     num_kv: int

@@ -9,8 +9,10 @@ convention as MindSpeed-LLM's ``npu_sparse_flash_mla`` uses it. cpkv's marshalli
 * TND, ``B`` = the rank's query segments, one batch each, in order. ``cu_seqlens_q`` /
   ``cu_seqlens_ori_kv``: the plan's segments over the window kv buffer (int32, leading 0;
   ``cu_seqlens_q != cu_seqlens_ori_kv``: queries bottom-right aligned to their kv prefix).
-* ``cu_seqlens_cmp_kv``: the entries' layout, compressed from the full-prefix **kv**
-  lengths (``EntryVisibility.cu_seqlens``; never from the query lengths).
+* ``cu_seqlens_cmp_kv``: one entry segment per query segment, compressed from the
+  full-prefix **kv** lengths (``prefix.visible_for(m).cu_seqlens``; never from the query
+  lengths). The need exchange's per-document entry buffer is gathered into that layout
+  when a document has several ranges on the rank (:func:`entry_gather`).
 * ``cmp_residual_kv`` ``[B]``: the full-prefix kv length mod the ratio, so that
   ``cmp_len * ratio + residual`` recovers the length the compressed mask counts from:
   a query at document position ``p`` then sees the first ``floor((p + 1) / m)`` entries.
@@ -106,32 +108,46 @@ def relative_indices(selected: Tensor, first_entry: Tensor) -> Tensor:
     return relative.to(torch.int32).unsqueeze(1).contiguous()
 
 
+def entry_gather(layer: CompressedLayer) -> Tensor | None:
+    """Rows of the entry buffer forming the per-segment layout the kernel takes, or ``None`` if it is that layout.
+
+    The all-gather's buffer holds each segment's entries (``prefix.visible_for(m)``'s layout);
+    the need exchange's holds each document's once, so a document with two ranges on the
+    rank (zigzag, balanced) is gathered once per range (``[N_c']`` int64, no host sync).
+    """
+    per_segment = layer.prefix.visible_for(layer.visible.ratio)
+    if layer.visible.cu_seqlens.numel() == per_segment.cu_seqlens.numel():
+        return None
+    cu = per_segment.cu_seqlens.long()
+    lens, total = cu.diff(), per_segment.num_entries
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=total)
+    first_query = layer.prefix.cu_seqlens_q[:-1].long().clamp(max=max(layer.prefix.num_queries - 1, 0))
+    start = layer.visible.visible_start.index_select(0, first_query) if layer.prefix.num_queries else torch.zeros_like(lens)
+    rows = (start - cu[:-1]).index_select(0, seg) + torch.arange(total, device=cu.device)
+    return rows.clamp(0, max(layer.visible.num_entries - 1, 0))  # rows of query-less segments are never read
+
+
 def fused_arguments(layer: CompressedLayer) -> FusedArgs:
     """The ``sparse_flash_mla`` arguments of a compressed layer (pure; no host sync).
 
     Example:
         >>> from cpkv.plan.segments import plan_segments
         >>> seg = plan_segments(torch.tensor([0, 3, 5]), torch.tensor([0, 9, 11]), compress_ratios=[4])
-        >>> args = fused_arguments(CompressedLayer(seg, seg.visible_for(4), 4, 11, None))
+        >>> args = fused_arguments(CompressedLayer(seg, seg, seg.visible_for(4), 4, 11, None))
         >>> args.cu_seqlens_cmp_kv.tolist(), args.cmp_residual_kv.tolist(), args.max_seqlen_cmp_kv
         ([0, 2, 2], [1, 1], 2)
     """
-    segments, visible = layer.segments, layer.visible
+    segments, prefix, ratio = layer.segments, layer.prefix, layer.visible.ratio
+    per_segment = prefix.visible_for(ratio)
+    indices = None if layer.selected is None else relative_indices(layer.selected, layer.visible.visible_start)
     cu_q = segments.cu_seqlens_q.to(torch.int32)
-    lens_q = cu_q.diff()
-    positions = segments.q_positions
-    if positions.numel():  # the full prefix of a segment ends at its last query: position + 1 tokens
-        last = (cu_q[1:].long() - 1).clamp(min=0)
-        prefix = torch.where(lens_q > 0, positions.index_select(0, last) + 1, 0)
-    else:
-        prefix = torch.zeros_like(lens_q, dtype=torch.int64)
-    indices = None if layer.selected is None else relative_indices(layer.selected, visible.visible_start)
     return FusedArgs(
         cu_seqlens_q=cu_q, cu_seqlens_ori_kv=segments.cu_seqlens_kv.to(torch.int32),
-        cu_seqlens_cmp_kv=visible.cu_seqlens.to(device=cu_q.device, dtype=torch.int32),
-        cmp_residual_kv=(prefix % visible.ratio).to(torch.int32), cmp_sparse_indices=indices,
-        batch_size=int(cu_q.shape[0]) - 1, max_seqlen_q=segments.max_seqlen_q, max_seqlen_ori_kv=segments.max_seqlen_kv,
-        max_seqlen_cmp_kv=visible.max_visible, cmp_ratio=visible.ratio, ori_win_left=layer.window - 1,
+        cu_seqlens_cmp_kv=per_segment.cu_seqlens.to(device=cu_q.device, dtype=torch.int32),
+        cmp_residual_kv=(prefix.cu_seqlens_kv.long().diff() % ratio).to(device=cu_q.device, dtype=torch.int32),
+        cmp_sparse_indices=indices, batch_size=int(cu_q.shape[0]) - 1, max_seqlen_q=segments.max_seqlen_q,
+        max_seqlen_ori_kv=segments.max_seqlen_kv, max_seqlen_cmp_kv=per_segment.max_visible, cmp_ratio=ratio,
+        ori_win_left=layer.window - 1,
     )
 
 
@@ -196,7 +212,9 @@ def sparse_flash_mla(
     args = fused_arguments(layer)
     if sinks is None:
         sinks = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
-    ori_kv, cmp_kv = kv[: layer.num_kv, None], kv[layer.num_kv :, None]
+    entries = kv[layer.num_kv :]
+    rows = entry_gather(layer)
+    ori_kv, cmp_kv = kv[: layer.num_kv, None], (entries if rows is None else entries.index_select(0, rows))[:, None]
     out, lse = _SparseFlashMLA.apply(q.contiguous(), ori_kv, cmp_kv, sinks, ops, args, float(scale))  # type: ignore[no-untyped-call]
     return out, lse
 
