@@ -135,7 +135,7 @@ def fused_arguments(layer: CompressedLayer) -> FusedArgs:
         >>> seg = plan_segments(torch.tensor([0, 3, 5]), torch.tensor([0, 9, 11]), compress_ratios=[4])
         >>> args = fused_arguments(CompressedLayer(seg, seg, seg.visible_for(4), 4, 11, None))
         >>> args.cu_seqlens_cmp_kv.tolist(), args.cmp_residual_kv.tolist(), args.max_seqlen_cmp_kv
-        ([0, 2, 2], [1, 1], 2)
+        ([0, 2, 2], [1, 2], 2)
     """
     segments, prefix, ratio = layer.segments, layer.prefix, layer.visible.ratio
     per_segment = prefix.visible_for(ratio)

@@ -170,7 +170,7 @@ MUTATIONS: dict[str, Callable[[fused_module.FusedArgs], fused_module.FusedArgs]]
     "q-derived compressed cu_seqlens": _q_derived,
     "window off by one (W)": lambda a: a._replace(ori_win_left=a.ori_win_left + 1),
     "window off by one (W - 2)": lambda a: a._replace(ori_win_left=a.ori_win_left - 1),
-    "missing residual": lambda a: a._replace(cmp_residual_kv=None),
+    "missing residual": lambda a: a._replace(cmp_residual_kv=None),  # type: ignore[arg-type]
     "zero residual": lambda a: a._replace(cmp_residual_kv=torch.zeros_like(a.cmp_residual_kv)),
     "kv lengths as residual": lambda a: a._replace(cmp_residual_kv=a.cu_seqlens_ori_kv.diff() % a.cmp_ratio),
 }
