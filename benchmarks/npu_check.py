@@ -18,6 +18,15 @@ installed: the repository root is put on ``sys.path``; no network). One NPU.
    forward+backward, with TFLOP/s over visible pairs (forward ``4 * D * H * pairs``,
    backward 2.5x).
 
+3. The fused path (``NPUBackend(fused=True)``, CANN's ``cann_ops_transformer`` custom ops, when
+   they import; skipped otherwise): correctness of the V4 layer in CSA (ratio 4, indexer topk
+   512, its KL through ``sparse_lightning_indexer_kl_loss_grad``) and HCA (ratio 128) at the
+   ops' A2/A3 shapes (D = 448 value + 64 rope = 512, window 128, indexer 8 heads of 128),
+   bf16 against fp64 by the same rule, no fallback warning; then one compressed layer's
+   attention (``compressed_attention``: ``sparse_flash_mla`` + its grad) timed beside the
+   composed path (``npu_sparse_flash_attention``) and the reference on the NPU, forward and
+   forward+backward, on the same inputs (a composed-path kernel error is reported as such).
+
 This is the only place cpkv's NPU marshalling meets the hardware: the unit tests check it
 against the documented semantics with a stand-in module. Prints markdown; writes
 ``$OUT/npu_check.md`` when ``OUT`` is set. Exit status 1 on a correctness failure, 2
@@ -47,6 +56,7 @@ import torch.distributed as dist  # noqa: E402
 
 from cpkv.plan.attention import plan_attention  # noqa: E402
 from cpkv.backends import ReferenceBackend  # noqa: E402
+from cpkv.backends.base import CompressedLayer  # noqa: E402
 from cpkv.backends.npu import MASK_SIZE, NPUBackend  # noqa: E402
 from cpkv.collectives import Group  # noqa: E402
 from cpkv.v4 import V4Config  # noqa: E402
@@ -60,16 +70,23 @@ CASES = {
     "compressor": V4Config(**_MLA, compress_ratio=8),  # type: ignore[arg-type]
     "indexer": V4Config(**_MLA, compress_ratio=4, topk=64),  # type: ignore[arg-type]
 }
+_FUSED = {"hidden": 512, "heads": 16, "head_dim": 512, "rope_dim": 64, "window": 128, "index_heads": 8, "index_head_dim": 128}
+FUSED_CASES = {
+    "HCA fused": V4Config(**_FUSED, compress_ratio=128),  # type: ignore[arg-type]
+    "CSA fused": V4Config(**_FUSED, compress_ratio=4, topk=512),  # type: ignore[arg-type]
+}
+FUSED_BENCH = [(8192, 3, 64, 4), (8192, 3, 64, 128), (16384, 1, 128, 4), (16384, 1, 128, 128)]  # L, r, H, ratio
 BENCH = [(8192, 3, 16, None), (8192, 3, 16, 128), (16384, 1, 32, None), (16384, 1, 32, 128),
          (32768, 1, 32, None), (32768, 1, 32, 128), (65536, 1, 32, None), (65536, 1, 64, 128)]
 
 
-def check_mode(name: str, config: V4Config, device: torch.device, cpu_group: Group) -> tuple[list[str], bool]:
+def check_mode(name: str, config: V4Config, device: torch.device, cpu_group: Group,
+               backend: Callable[[], NPUBackend] = NPUBackend) -> tuple[list[str], bool]:
     exact = run_layer(config, torch.float64, ReferenceBackend(), torch.device("cpu"), cpu_group)  # hccl gathers no CPU tensors
     low = run_layer(config, torch.bfloat16, ReferenceBackend(), device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = run_layer(config, torch.bfloat16, NPUBackend(), device)
+        got = run_layer(config, torch.bfloat16, backend(), device)
     rows, ok = [], True
     for message in (str(w.message) for w in caught if "falling back" in str(w.message)):
         rows.append(f"| {name} | fallback | {message} | | | FAIL |")
@@ -78,12 +95,15 @@ def check_mode(name: str, config: V4Config, device: torch.device, cpu_group: Gro
     return rows + mode_rows, ok and mode_ok
 
 
-def check_correctness(device: torch.device, cpu_group: Group) -> tuple[list[str], bool]:
+def check_correctness(device: torch.device, cpu_group: Group, fused: bool) -> tuple[list[str], bool]:
+    """Every mode through the composed path; with ``fused``, CSA and HCA through the fused path too."""
     rows, ok = ["| mode | tensor | err npu bf16 | err reference bf16 | bound | ok |", "|---|---|---|---|---|---|"], True
-    for name, config in CASES.items():
+    cases = [(n, c, lambda: NPUBackend(fused=False)) for n, c in CASES.items()]
+    cases += [(n, c, lambda: NPUBackend(fused=True)) for n, c in FUSED_CASES.items()] if fused else []
+    for name, config, backend in cases:
         print(f"correctness: {name} ...", flush=True)
         try:
-            mode_rows, mode_ok = check_mode(name, config, device, cpu_group)
+            mode_rows, mode_ok = check_mode(name, config, device, cpu_group, backend)
         except Exception as err:  # report every mode, do not stop at the first kernel error
             traceback.print_exc()
             mode_rows, mode_ok = [f"| {name} | raised | {type(err).__name__}: {str(err)[:200]} | | | FAIL |"], False
@@ -146,6 +166,53 @@ def bench_one(torch_npu: Any, local: int, rank: int, heads: int, window: int | N
     return f"| {local // 1024}K | {prefix // 1024}K | {heads} | {window or '-'} | " + " | ".join(cells) + " |"
 
 
+def bench_fused(local: int, rank: int, heads: int, ratio: int, reps: int, device: torch.device) -> str:
+    """One compressed layer's attention (rank ``rank`` of ``rank + 1`` over one document, all-gather):
+    fused vs composed vs the reference on the NPU, bf16, D = 512 (448 value + 64 rope), window 128."""
+    dim, d_v, window, topk, prefix = 512, 448, 128, 512, local * (rank + 1)
+    plan = plan_attention(torch.tensor([0, prefix]), rank + 1, rank, compress_ratios=[ratio]).to(device)
+    segments, visible = plan.segments, plan.visible_for(ratio)
+    gen = torch.Generator().manual_seed(0)
+    selected = None
+    cmp_rows = visible.visible_indices()
+    if ratio == 4:  # CSA: the first topk visible entries (the selection's content does not change the cost)
+        cmp_rows = selected = torch.nn.functional.pad(cmp_rows, (0, max(topk - cmp_rows.shape[1], 0)), value=-1)[:, :topk]
+    layer = CompressedLayer(segments, segments, visible, window, segments.num_kv, selected)
+    indices = torch.cat([segments.window_indices(window), torch.where(cmp_rows >= 0, cmp_rows + segments.num_kv, -1)], 1)
+    q = torch.randn(local, heads, dim, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+    kv = torch.randn(segments.num_kv + visible.num_entries, dim, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+    sinks = torch.randn(heads, generator=gen).to(device).requires_grad_(True)
+    grad = torch.randn(local, heads, d_v, generator=gen).to(device, torch.bfloat16)
+    backends: dict[str, NPUBackend | ReferenceBackend] = {
+        "fused": NPUBackend(fused=True), "composed": NPUBackend(fused=False), "reference": ReferenceBackend(),
+    }
+
+    def call(name: str) -> torch.Tensor:
+        backend = backends[name]
+        if isinstance(backend, NPUBackend):
+            out: torch.Tensor = backend.compressed_attention(
+                q, kv, indices, layer, d_v=d_v, scale=dim**-0.5, sinks=sinks, probs_from=None).result.out
+            return out
+        return backend.sparse_attention(q, kv, indices, d_v=d_v, scale=dim**-0.5, sinks=sinks).out
+
+    cells = []
+    for name in backends:
+        for phase in ("fwd", "fwd+bwd"):
+            def run(name: str = name, phase: str = phase) -> Any:
+                if phase == "fwd":
+                    with torch.no_grad():
+                        return call(name)
+                return torch.autograd.backward(call(name), grad)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    cells.append(f"{npu_time(run, reps):.2f}")
+            except Exception as err:  # a kernel outside its limits: report, keep going
+                cells.append(f"error: {type(err).__name__}")
+    kind = "CSA" if ratio == 4 else "HCA"
+    return f"| {kind} | {local // 1024}K | {prefix // 1024}K | {heads} | " + " | ".join(cells) + " |"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two smallest benchmark shapes, 2 repetitions")
@@ -165,11 +232,14 @@ def main() -> int:
     torch.npu.set_device(device)  # type: ignore[attr-defined]
     bench = ["| L | prefix | H | W | bare fwd ms | cpkv/bare fwd | TFLOP/s bare/cpkv fwd | bare fwd+bwd ms "
              "| cpkv/bare fwd+bwd | TFLOP/s bare/cpkv fwd+bwd |", "|---" * 10 + "|"]
+    fused_bench = ["| layer | L | prefix | H | fused fwd ms | fused fwd+bwd ms | composed fwd ms | composed fwd+bwd ms "
+                   "| reference fwd ms | reference fwd+bwd ms |", "|---" * 10 + "|"]
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)  # type: ignore[attr-defined]
         dist.init_process_group("hccl", store=store, rank=0, world_size=1)
         try:
-            rows, ok = check_correctness(device, dist.new_group([0], backend="gloo"))
+            fused = NPUBackend().attention_path == "fused"  # cann_ops_transformer imports
+            rows, ok = check_correctness(device, dist.new_group([0], backend="gloo"), fused)
             print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
             for local, rank, heads, window in [] if args.skip_bench else BENCH[:2] if args.quick else BENCH:
                 if time.monotonic() - started > args.max_seconds:
@@ -177,12 +247,20 @@ def main() -> int:
                     continue
                 bench.append(bench_one(torch_npu, local, rank, heads, window, 2 if args.quick else args.reps, device))
                 print(bench[-1], flush=True)
+            for local, rank, heads, ratio in [] if args.skip_bench or not fused else FUSED_BENCH[:2] if args.quick else FUSED_BENCH:
+                if time.monotonic() - started > args.max_seconds:
+                    fused_bench.append(f"| {local // 1024}K | skipped (time budget) |||||||||")
+                    continue
+                fused_bench.append(bench_fused(local, rank, heads, ratio, 2 if args.quick else args.reps, device))
+                print(fused_bench[-1], flush=True)
         finally:
             dist.destroy_process_group()
     name = torch.npu.get_device_name(0)  # type: ignore[attr-defined]
     header = f"# cpkv npu_check\n\n{datetime.date.today()} on {name}, torch {torch.__version__}, torch_npu {torch_npu.__version__}\n"
     text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
-                      "\n## Varlen attention as attention_forward calls it vs bare npu_fusion_attention (bf16, D=128, MQA)\n", *bench, ""])
+                      "\n## Varlen attention as attention_forward calls it vs bare npu_fusion_attention (bf16, D=128, MQA)\n", *bench,
+                      "\n## One compressed layer's attention: fused sparse_flash_mla vs composed vs reference (bf16, D=512, W=128)\n",
+                      *(fused_bench if fused else ["skipped: cann_ops_transformer does not import (composed path only)"]), ""])
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "npu_check.md").write_text(text)
