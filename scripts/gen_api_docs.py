@@ -69,6 +69,7 @@ EXTRA_MODULES: list[tuple[str, list[str] | None]] = [
     ("cpkv.backends.cuda", None),
     ("cpkv.backends.triton", None),
     ("cpkv.backends.npu", None),
+    ("cpkv.backends.npu_fused", None),
     ("cpkv.indexer_loss", None),
     ("cpkv.agreement", ["agree", "agree_in_order", "group_device"]),
     ("cpkv.index_keys", ["round_index_keys", "exchange_index_keys", "INDEX_KEY_DTYPES"]),

@@ -39,7 +39,10 @@ from torch import Tensor
 
 from cpkv.backends.base import CompressedLayer
 
-__all__ = ["FusedArgs", "fused_arguments", "fused_indexer_kl", "fused_limit_reason", "sparse_flash_mla"]
+__all__ = [
+    "FusedArgs", "entry_gather", "fused_arguments", "fused_indexer_kl", "fused_limit_reason", "kl_limit_reason", "relative_indices",
+    "sparse_flash_mla",
+]
 
 FUSED_HEAD_DIM = 512
 FUSED_WINDOW = 128
