@@ -15,6 +15,12 @@ compress mode. Hardware limits the stand-in does not model: dtypes (the runs are
 Mutations (a dropped mask, a leading 0, a kv buffer without the padding rows) must be caught.
 ``range_attention`` (ring rounds) is refused with ``NotImplementedError``; ``selected_probs``
 is the reference op.
+
+The fused path (``cann_ops_transformer``'s ``sparse_flash_mla`` and the indexer KL grad op,
+through the stand-in of tests/backends/cann_standin.py) runs the compressed modes the same
+way, at cp 1-2 in every layout and exchange and at cp 3-4 in every layout (cp 3 and 4
+splitting the six layout/exchange pairs between them, for the suite's time budget); its
+op-level checks and mutations are in tests/backends/test_npu_fused.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ whole V4 layer at cp 1-4 runs in tests/backends/test_npu_contract.py.
 
 from __future__ import annotations
 
-import math
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
@@ -309,4 +309,10 @@ def test_limits_follow_the_documented_a3_shapes() -> None:
     assert fused_module.fused_limit_reason(q, csa, True) is None and fused_module.fused_limit_reason(q, hca, True) is None
     assert "window 64" in str(fused_module.fused_limit_reason(q, CompressedLayer(full, full, full.visible_for(4), 64, 300, None), True))
     assert "dtype" in str(fused_module.fused_limit_reason(q.float(), csa, True))
-    assert math.isclose(len(fused_module.FUSED_HEADS), 8)
+
+
+def test_capability_signature_matches_the_protocol() -> None:
+    want = [(p.name, p.kind) for p in inspect.signature(CompressedLayerBackend.compressed_attention).parameters.values()]
+    got = [(p.name, p.kind) for p in inspect.signature(NPUBackend.compressed_attention).parameters.values()]
+    assert got == want
+    assert isinstance(_backend(), CompressedLayerBackend) and not isinstance(ReferenceBackend(), CompressedLayerBackend)
