@@ -233,7 +233,7 @@ def kl_limit_reason(q_index: Tensor, selected: Tensor, check_dtypes: bool) -> st
 
 
 class _FusedIndexerKL(torch.autograd.Function):
-    """The loss in the forward from the op's ``softmax_out``; the op's gradients (times ``grad_factor``) as the backward."""
+    """The loss in the forward from the op's ``softmax_out``; the op's gradients times ``grad_factor`` (on ctx) as the backward."""
 
     @staticmethod
     def forward(ctx: Any, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor,
@@ -262,14 +262,15 @@ class _FusedIndexerKL(torch.autograd.Function):
             d_q[block], d_w[block], d_k = dq, dw, d_k + dk
             terms = torch.where(p[block] > 0, p[block] * (p[block].clamp_min(1e-30).log() - pred[:, 0].clamp_min(1e-30).log()), 0.0)
             kl = kl + terms.sum()
-        ctx.save_for_backward(d_q * grad_factor, d_k[:, 0] * grad_factor, d_w * grad_factor)
-        ctx.dtypes = (k_index.dtype, weights.dtype)
+        ctx.save_for_backward(d_q, d_k[:, 0], d_w)
+        ctx.grad_factor, ctx.dtypes = grad_factor, (k_index.dtype, weights.dtype)
         return kl.float(), q_index.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx: Any, _d_loss: Tensor, _d_anchor: Tensor) -> tuple[Tensor | None, ...]:
         d_q, d_k, d_w = ctx.saved_tensors
-        return d_q, d_k.to(ctx.dtypes[0]), d_w.to(ctx.dtypes[1]), None, None, None, None
+        factor = ctx.grad_factor
+        return d_q * factor, (d_k * factor).to(ctx.dtypes[0]), (d_w * factor).to(ctx.dtypes[1]), None, None, None, None
 
 
 def fused_indexer_kl(
