@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from cpkv.bench.step_memory import MemoryCounter
 from cpkv.integrations.linear_cross_entropy import linear_cross_entropy
 
 REL = 1e-12
@@ -95,29 +94,15 @@ def test_bf16_accumulates_in_float32() -> None:
         assert _rel(g, e) <= 2 * _rel(f, e) + 1e-6, (_rel(g, e), _rel(f, e))
 
 
-class _LargestOutput(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """The most elements of any tensor an aten op returns while active."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self.largest = max([self.largest, *sizes])
-        return out
-
-
 def test_no_op_makes_more_than_one_chunk_of_logits() -> None:
-    """Forward and backward: no tensor larger than a chunk's logits, ``hidden``'s gradient or the weight's (never ``N * V``)."""
+    """Forward and backward: no new tensor larger than a chunk's logits, ``hidden``'s gradient or the weight's (never ``N * V``)."""
     hidden, weight, labels = _inputs(n=64)
-    with _LargestOutput() as mode:
+    with MemoryCounter() as counter:
         linear_cross_entropy(hidden, weight, labels, chunk_size=8).backward()  # type: ignore[no-untyped-call]
-    assert mode.largest == max(8 * V, 64 * H, V * H) < 64 * V, mode.largest
-    with _LargestOutput() as mode:
+    assert counter.largest == 8 * max(8 * V, 64 * H, V * H) < 8 * 64 * V, counter.largest_op  # float64: 8 bytes
+    with MemoryCounter() as counter:
         _full(hidden, weight, labels).backward()  # type: ignore[no-untyped-call]
-    assert mode.largest == 64 * V  # the check sees the whole logits when they exist
+    assert counter.largest == 8 * 64 * V  # the check sees the whole logits when they exist
 
 
 def test_bad_arguments_are_named() -> None:
