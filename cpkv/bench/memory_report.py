@@ -17,9 +17,9 @@ from pathlib import Path
 
 from cpkv.bench.layouts import existing_section, replace_section
 from cpkv.bench.loss_memory import loss_memory_lines, loss_memory_table
-from cpkv.bench.step_memory import counter_check_lines, counter_checks, step_memory_lines, step_memory_table
+from cpkv.bench.step_memory import counter_check_lines, counter_checks, reading_lines, step_memory_lines, step_memory_table
 
-__all__ = ["BEGIN", "END", "main", "parse_args"]
+__all__ = ["BEGIN", "END", "kept_section", "main", "parse_args"]
 
 BEGIN = "<!-- memory: begin (python -m cpkv.bench memory) -->"
 END = "<!-- memory: end -->"
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     step_rows = step_memory_table(args.tokens, args.cps, args.world, smoke=args.smoke)
     checks = counter_checks(smoke=args.smoke)
     lines = [BEGIN, *loss_memory_lines(loss_rows), *step_memory_lines(step_rows, args.tokens, args.world),
+             *reading_lines(step_rows),
              *counter_check_lines(checks), END]
     section = "\n".join(lines) + "\n"
     old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"

@@ -58,6 +58,7 @@ __all__ = [
     "counter_check_lines",
     "counter_checks",
     "ffn_saved_bytes",
+    "reading_lines",
     "step_memory_lines",
     "step_memory_table",
 ]
@@ -302,6 +303,33 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
             f" `{r.largest}` | {_gb(r.exchange)} | {_gb(r.indexer)} | {_gb(r.loss)} | {_gb(r.total)} | {fits[0]} | {fits[1]} |"
         )
     return lines
+
+
+def reading_lines(rows: list[StepRow]) -> list[str]:
+    """One paragraph read off the rows: what dominates, and the smallest cp that fits each device."""
+    sentences = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        for ckpt in (False, True):
+            parts = [r for r in mine if r.checkpointing == ckpt]
+            if not parts:
+                continue
+            worst = min(parts, key=lambda r: r.cp)
+            terms = {"states": worst.states, "attention activations": worst.attention_saved, "ffn activations (estimated)": worst.ffn_saved,
+                     "checkpointed layer inputs": worst.checkpoints}
+            top = max(terms, key=lambda k: terms[k])
+            fits = []
+            for name, cap in (("an H200", H200), ("a 64 GB device", ASCEND)):
+                ok = [r.cp for r in parts if r.total <= cap]
+                fits.append(f"{name} from cp {min(ok)}" if ok else f"{name} at no cp up to {max(r.cp for r in parts)}")
+            sentences.append(
+                f"{model} {'with' if ckpt else 'without'} activation checkpointing: {top} dominate"
+                f" ({_gb(terms[top])} of {_gb(worst.total)} GB at cp {worst.cp}); it fits {' and '.join(fits)}."
+            )
+    return ["", "Reading: " + " ".join(sentences) + " The loss (chunked) and the exchange's receive buffers stay a few GB"
+            " at every cp; the largest single tensor is the query projection's output `[T/cp, heads * head_dim]`."
+            " What the table does not show: expert parallelism (the states shrink with the expert-parallel size) and"
+            " activation offloading."]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ fused linear cross-entropy and torchtune's chunked loss):
 * **forward**: each chunk's logits ``F.linear(hidden_c, weight)`` (the head's dtype, as the
   head computes them), upcast to the compute dtype (``promote_types(dtype, float32)``), their
   log-sum-exp minus the target logit, summed; nothing of the chunk is kept.
-* **backward** (:class:`LinearCrossEntropyFunction`): each chunk's logits are recomputed;
+* **backward** (``_LinearCrossEntropy``): each chunk's logits are recomputed;
   ``grad_logits = g * (softmax - onehot)`` on the valid rows, in the compute dtype, cast to
   the head's dtype (what autograd of ``F.linear(...).to(compute)`` gives);
   ``grad_hidden_c = grad_logits_c @ weight`` (head's dtype) and ``grad_weight`` accumulated over
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "LinearCrossEntropyFunction", "linear_cross_entropy"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "linear_cross_entropy"]
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk: one chunk's float32 logits are ``1024 * V * 4`` bytes (0.5 GB at V = 129,280)."""
@@ -55,7 +55,7 @@ def _chunk_exp(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int
     return exp, total, (shift + total.log())[:, 0] - target, valid
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
+class _LinearCrossEntropy(torch.autograd.Function):
     """Autograd of :func:`linear_cross_entropy`: the backward recomputes each chunk's logits."""
 
     @staticmethod
@@ -144,7 +144,7 @@ def linear_cross_entropy(
         raise ValueError(f"weight must be [V, H] with H = {hidden.shape[1]} (hidden's), got shape {tuple(weight.shape)}")
     if labels.shape != (hidden.shape[0],):
         raise ValueError(f"labels must be [N] = [{hidden.shape[0]}] (hidden's rows), got shape {tuple(labels.shape)}")
-    loss: Tensor = LinearCrossEntropyFunction.apply(  # type: ignore[no-untyped-call]
+    loss: Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.to(hidden.device), ignore_index, chunk_size
     )
     return loss
