@@ -6,7 +6,8 @@ query row against the counted ones (:mod:`cpkv.bench.kernel_work`).
 Writes ``docs/benchmarks.md`` and ``docs/benchmarks.png`` (``--out``, ``--plot``) and
 prints the same tables. ``--smoke`` runs tiny sizes (used by the tests).
 ``python -m cpkv.bench layouts [...]`` runs :mod:`cpkv.bench.layouts` instead (its section of
-``docs/benchmarks.md``, which this run keeps). ``python -m cpkv.bench heads`` prints the kv-heads
+``docs/benchmarks.md``, which this run keeps); ``python -m cpkv.bench memory [...]`` runs
+:mod:`cpkv.bench.memory_report` (the loss-memory and whole-step memory tables, its own kept section). ``python -m cpkv.bench heads`` prints the kv-heads
 table alone (:mod:`cpkv.bench.heads`: collectives, bytes and kernel calls per layer of GQA and
 MLA layers, one call per kv group before, one call per layer now).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cpkv.bench import layouts
+from cpkv.bench import layouts, memory_report
 from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.heads import heads_lines, heads_table
 from cpkv.bench.heads import main as heads_main
@@ -408,7 +409,8 @@ def kernels_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success.
 
-    ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
+    ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest (``memory``:
+    :func:`cpkv.bench.memory_report.main`); ``kernels``
     prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
     executed work, launches and host syncs; ``heads`` the kv-heads table; ``planning`` every layout's planning
     time at 1M tokens.
@@ -424,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         return indexer_main(argv[1:])
     if argv[:1] == ["heads"]:
         return heads_main(argv[1:])
+    if argv[:1] == ["memory"]:
+        return memory_report.main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
@@ -464,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     if plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"
     report += "\nGPU (CUDA backend) checks and timings: [gpu_check.md](gpu_check.md).\n"
-    kept = layouts.existing_section(args.out.read_text()) if args.out.exists() else ""
-    args.out.write_text(report + ("\n" + kept if kept else ""))  # the layouts section, from its own run
+    old = args.out.read_text() if args.out.exists() else ""
+    for kept in (layouts.existing_section(old), memory_report.kept_section(old)):  # sections from their own runs
+        report += "\n" + kept if kept else ""
+    args.out.write_text(report)
     print(report)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

@@ -454,19 +454,19 @@ def plot(rows: list[dict[str, object]], path: Path) -> bool:
     return True
 
 
-def replace_section(text: str, section: str) -> str:
-    """``text`` with its :data:`BEGIN`..:data:`END` section replaced by ``section`` (appended if absent)."""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        return head + section.rstrip("\n") + rest.split(END, 1)[1]
+def replace_section(text: str, section: str, *, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with its ``begin``..``end`` section (default :data:`BEGIN`..:data:`END`) replaced by ``section`` (appended if absent)."""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + section.rstrip("\n") + rest.split(end, 1)[1]
     return text.rstrip("\n") + "\n\n" + section
 
 
-def existing_section(text: str) -> str:
-    """The :data:`BEGIN`..:data:`END` section of ``text`` (with its markers), or ``""``."""
-    if BEGIN not in text or END not in text:
+def existing_section(text: str, *, begin: str = BEGIN, end: str = END) -> str:
+    """The ``begin``..``end`` section of ``text`` (default :data:`BEGIN`..:data:`END`, with its markers), or ``""``."""
+    if begin not in text or end not in text:
         return ""
-    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    return begin + text.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

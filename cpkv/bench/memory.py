@@ -11,7 +11,7 @@ those of a real run). Dimensions keep DeepSeek-V4-Flash's proportions at a small
   tensor an aten op returns (by its data pointer, with a weak reference) and, before each op,
   drops the storages that were freed: the live bytes created inside the layer's forward and
   backward, at op granularity; the peak is their maximum, on top of what existed before
-  (parameters, the input and the plan). Like ``tracemalloc``, it sees every allocation made
+  (parameters, the input and the plan: a view of them counts zero). Like ``tracemalloc``, it sees every allocation made
   through an op, views count zero, and temporaries inside one kernel are not seen.
 * The collectives of the fake group would reject uneven all-to-all splits, so
   ``all_to_all_single`` is replaced by a no-op while measuring (its output buffer is still
@@ -52,7 +52,13 @@ class LayerDims:
 
 
 class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Peak bytes of live storages created by aten ops while active (see the module docstring)."""
+    """Peak bytes of live storages created by aten ops while active (see the module docstring).
+
+    A storage counts when an op returns it and none of the op's inputs holds it (views and
+    in-place results of older tensors count zero); it is keyed by its ``StorageImpl``, held by
+    weak reference (so the key is not reused while tracked), and dropped once freed, checked
+    before every op. Works on meta tensors too. :meth:`made` sees each new storage.
+    """
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -60,23 +66,36 @@ class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.now = 0
         self.peak = 0
 
+    def made(self, func: Any, tensor: Tensor, nbytes: int) -> None:
+        """Called once for every new storage (``tensor`` is the op's output holding it)."""
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:  # type: ignore[no-untyped-call]
             self.now -= self.live.pop(key)[1]
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())  # type: ignore[no-untyped-call]
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
+            if not isinstance(t, Tensor):
+                continue
+            key, storage = storage_key(t), t.untyped_storage()
+            if key in inputs or key in self.live or storage.nbytes() == 0:
+                continue
+            self.live[key] = (StorageWeakRef(storage), storage.nbytes())  # type: ignore[no-untyped-call]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            self.made(func, t, storage.nbytes())
         return out
 
 
+def storage_key(t: Tensor) -> int:
+    """The identity of ``t``'s storage (its ``StorageImpl``; meta tensors included)."""
+    return int(StorageWeakRef(t.untyped_storage()).cdata)  # type: ignore[no-untyped-call]
+
+
 @contextlib.contextmanager
-def _no_all_to_all() -> Iterator[None]:
+def no_all_to_all() -> Iterator[None]:
+    """``dist.all_to_all_single`` a no-op while active (the fake group rejects uneven splits; buffers are still allocated)."""
     original = dist.all_to_all_single
     dist.all_to_all_single = lambda *args, **kwargs: None
     try:
@@ -98,7 +117,7 @@ def layer_memory(ratio: int, exchange: str, dims: LayerDims = LayerDims()) -> tu
         x = torch.randn(dims.tokens_per_rank, dims.hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
         grad = torch.ones(dims.tokens_per_rank, dims.hidden)
         counter, live = CopyCounter(), LiveBytes()
-        with _no_all_to_all(), counter, live:
+        with no_all_to_all(), counter, live:
             out = layer(x, plan, None).out
             torch.autograd.backward(out, grad)
     return counter.bytes, live.peak

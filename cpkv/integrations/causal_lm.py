@@ -33,6 +33,7 @@ from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
 from cpkv.collectives import Group, check_group
+from cpkv.integrations.linear_cross_entropy import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.conventions import document_real_lengths, validate_cu_seqlens
 
@@ -41,6 +42,7 @@ __all__ = [
     "batch_fingerprint",
     "check_given_plan",
     "causal_lm_loss",
+    "causal_lm_loss_from_hidden",
     "cu_seqlens_from_position_ids",
     "global_valid_count",
     "grad_reduction_scale",
@@ -312,19 +314,71 @@ def causal_lm_loss(
     check_ndim("logits", check_tensor("logits", logits), 2, "[T/cp, V]")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
-    check_int_dtype("labels", check_tensor("labels", labels))
-    if labels.ndim != 1 or labels.shape[0] != logits.shape[0]:
-        raise ValueError(f"labels must be [T/cp] = [{logits.shape[0]}] (logits' rows), got shape {tuple(labels.shape)}")
-    scale = grad_reduction_scale(grad_reduction, group)
-    if num_items_in_batch is None:
-        count: Tensor = global_valid_count(labels, group, ignore_index=ignore_index)
-    elif isinstance(num_items_in_batch, Tensor):
-        count = num_items_in_batch.to(logits.device)
-    else:
-        count = torch.tensor(check_int("num_items_in_batch", num_items_in_batch, minimum=1), device=logits.device)
+    _check_labels(labels, logits.shape[0], "logits'")
+    scale, count = _normaliser(labels, group, num_items_in_batch, ignore_index, grad_reduction, logits.device)
     compute = torch.promote_types(logits.dtype, torch.float32)
     total = F.cross_entropy(logits.to(compute), labels.to(logits.device).long(), ignore_index=ignore_index, reduction="sum")
     return total * scale / count.clamp(min=1).to(compute)
+
+
+def causal_lm_loss_from_hidden(
+    hidden: Tensor, weight: Tensor, labels: Tensor, group: Group, *, num_items_in_batch: int | Tensor | None = None,
+    ignore_index: int = -100, grad_reduction: GradReduction = "sum", chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """:func:`causal_lm_loss` of the logits ``hidden @ weight^T``, never holding them whole.
+
+    The same loss, normaliser, ``ignore_index`` and ``grad_reduction`` as
+    ``causal_lm_loss(F.linear(hidden, weight), labels, group, ...)``, with the cross-entropy
+    sum computed ``chunk_size`` tokens at a time, forward and backward
+    (:func:`cpkv.integrations.linear_cross_entropy.linear_cross_entropy`): the rank holds one
+    chunk's ``[chunk_size, V]`` logits at a time instead of ``[T/cp, V]`` logits, their float32
+    copy and their gradient.
+
+    Args:
+        hidden: ``[T/cp, H]`` this rank's final hidden states (after the last norm), in the
+            shard order of ``labels``.
+        weight: ``[V, H]`` the head's weight (no bias), ``hidden``'s dtype and device.
+        labels, group, num_items_in_batch, ignore_index, grad_reduction: as in :func:`causal_lm_loss`.
+        chunk_size: tokens per chunk, ``>= 1`` (default
+            :data:`~cpkv.integrations.linear_cross_entropy.DEFAULT_CHUNK_SIZE`, 1024: 0.5 GB of
+            float32 logits at V = 129,280).
+
+    Returns:
+        0-d loss in ``promote_types(hidden.dtype, float32)``, differentiable w.r.t. ``hidden``
+        and ``weight``.
+
+    Raises:
+        TypeError, ValueError: as :func:`causal_lm_loss` and
+            :func:`~cpkv.integrations.linear_cross_entropy.linear_cross_entropy` (shapes,
+            dtypes, ``chunk_size < 1``).
+
+    Example:
+        >>> loss = causal_lm_loss_from_hidden(hidden_local, model.lm_head.weight, labels_local, cp_group)  # doctest: +SKIP
+    """
+    check_ndim("hidden", check_tensor("hidden", hidden), 2, "[T/cp, H]")
+    _check_labels(labels, hidden.shape[0], "hidden's")
+    scale, count = _normaliser(labels, group, num_items_in_batch, ignore_index, grad_reduction, hidden.device)
+    total = linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index, chunk_size=chunk_size)
+    return total * scale / count.clamp(min=1).to(total.dtype)
+
+
+def _check_labels(labels: Tensor, rows: int, of: str) -> None:
+    check_int_dtype("labels", check_tensor("labels", labels))
+    if labels.ndim != 1 or labels.shape[0] != rows:
+        raise ValueError(f"labels must be [T/cp] = [{rows}] ({of} rows), got shape {tuple(labels.shape)}")
+
+
+def _normaliser(
+    labels: Tensor, group: Group, num_items_in_batch: int | Tensor | None, ignore_index: int,
+    grad_reduction: GradReduction, device: torch.device,
+) -> tuple[int, Tensor]:
+    """``(scale, N)`` of the loss: the ``grad_reduction`` factor and the normaliser (given, or the group's valid count)."""
+    scale = grad_reduction_scale(grad_reduction, group)
+    if num_items_in_batch is None:
+        return scale, global_valid_count(labels, group, ignore_index=ignore_index)
+    if isinstance(num_items_in_batch, Tensor):
+        return scale, num_items_in_batch.to(device)
+    return scale, torch.tensor(check_int("num_items_in_batch", num_items_in_batch, minimum=1), device=device)
 
 
 def check_given_plan(plan: object, cu_seqlens: Tensor, group: Group, *, padding: Tensor | None = None) -> AttentionPlan:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -32,19 +33,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpkv.backends.base import AttentionBackend, BackendName
+from cpkv.checks import check_int
 from cpkv.agreement import agree
 from cpkv.collectives import Group, check_group, check_same_on_all_ranks
 from cpkv.integrations.causal_lm import (
     GradReduction,
     batch_fingerprint,
     check_given_plan,
-    causal_lm_loss,
+    causal_lm_loss_from_hidden,
     cu_seqlens_from_position_ids,
     global_valid_count,
     grad_reduction_scale,
     shard_by_plan,
     shift_labels,
 )
+from cpkv.integrations.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from cpkv.integrations.transformers import deepseek_v4_attention, deepseek_v4_plan_options
 from cpkv.plan.attention import AttentionPlan, Exchange, Layout, plan_attention
 from cpkv.plan.conventions import validate_cu_seqlens
@@ -185,7 +188,8 @@ class DeepseekV4CausalLMOutput(NamedTuple):
         indexer_losses: with ``indexer_loss=True``: CSA layer index -> the group's mean KL
             over its query tokens (``sum_t KL_t / plan.num_global_queries``), detached, the same
             on every rank; else empty.
-        logits: ``[T/cp, V]`` this rank's logits, in shard order.
+        logits: ``[T/cp, V]`` this rank's logits, in shard order, the head's output (differentiable),
+            with ``return_logits=True``; else ``None`` (the loss never held them whole).
         labels: ``[T/cp]`` this rank's shifted labels, in shard order.
         plan: this rank's plan of the micro-batch.
     """
@@ -194,23 +198,68 @@ class DeepseekV4CausalLMOutput(NamedTuple):
     lm_loss: Tensor
     num_tokens: Tensor
     indexer_losses: dict[int, Tensor]
-    logits: Tensor
+    logits: Tensor | None
     labels: Tensor
     plan: AttentionPlan
 
 
-def _config(model: Any) -> Any:
-    """The ``config`` of ``model`` or of what it wraps (DDP's ``module``, ``torch.compile``'s ``_orig_mod``)."""
+def _unwrapped(model: Any) -> Any:
+    """``model`` or what it wraps (DDP's ``module``, ``torch.compile``'s ``_orig_mod``): the one with a DeepSeek-V4 ``config``."""
     inner = model
     for _ in range(8):
         config = getattr(inner, "config", None)
         if config is not None and hasattr(config, "layer_types"):
-            return config
+            return inner
         wrapped = getattr(inner, "module", None)
         inner = wrapped if wrapped is not None else getattr(inner, "_orig_mod", None)
         if inner is None:
             break
     raise TypeError(f"model must be a DeepseekV4ForCausalLM (or wrap one), got {type(model).__name__} without a DeepseekV4Config")
+
+
+def _config(model: Any) -> Any:
+    """The ``config`` of ``model`` or of what it wraps."""
+    return _unwrapped(model).config
+
+
+def _head(model: Any) -> torch.nn.Module:
+    """The output head (``lm_head``, a ``Linear`` without bias) of ``model`` or of what it wraps."""
+    inner = _unwrapped(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, torch.nn.Module) or not isinstance(weight, Tensor) or weight.ndim != 2 or getattr(head, "bias", None) is not None:
+        raise TypeError(f"model must be a DeepseekV4ForCausalLM (with its bias-free lm_head), got {type(inner).__name__}")
+    return head
+
+
+def _forward_with_head_loss(
+    model: Any, head: torch.nn.Module, loss_of: Callable[[Tensor, Tensor], Tensor], inputs: dict[str, Any],
+    return_logits: bool,
+) -> tuple[Any, Tensor]:
+    """``model(**inputs)`` with the loss taken from the head's input: ``(output, loss_of(hidden [T/cp, H], head.weight))``.
+
+    A forward pre-hook of ``head``, registered for this call only, computes the loss where the
+    head runs (its weight as the head's forward sees it, e.g. gathered by FSDP) and, unless
+    ``return_logits``, hands the head zero tokens: no ``[T/cp, V]`` logits are made.
+    """
+    losses: list[Tensor] = []
+
+    def take_hidden(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Tensor] | None:
+        hidden = args[0]
+        weight = module.weight
+        if not isinstance(weight, Tensor):
+            raise TypeError(f"the head's weight must be a tensor, got {type(weight).__name__}")
+        losses.append(loss_of(hidden.reshape(-1, hidden.shape[-1]), weight))
+        return None if return_logits else (hidden[..., :0, :],)
+
+    handle = head.register_forward_pre_hook(take_hidden)
+    try:
+        output = model(**inputs)
+    finally:
+        handle.remove()
+    if len(losses) != 1:
+        raise TypeError(f"model must be a DeepseekV4ForCausalLM whose forward runs its lm_head once, it ran {len(losses)} times")
+    return output, losses[0]
 
 
 def _flat_ids(name: str, x: Tensor) -> Tensor:
@@ -242,7 +291,8 @@ def deepseek_v4_causal_lm_loss(
     exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
     num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
     grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
-    padding: Tensor | None = None, plan: AttentionPlan | None = None,
+    padding: Tensor | None = None, plan: AttentionPlan | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_logits: bool = False,
 ) -> DeepseekV4CausalLMOutput:
     """One micro-batch of a CP-enabled ``DeepseekV4ForCausalLM``: the whole packed batch in, this rank's loss out.
 
@@ -253,7 +303,10 @@ def deepseek_v4_causal_lm_loss(
     :func:`~cpkv.integrations.causal_lm.batch_fingerprint`), shifts the labels within each document on the whole batch, shards ids and
     labels by the plan, runs ``model`` on this rank's tokens (positions ``plan.q_positions``,
     no mask, no cache) and returns this rank's loss: ``scale * sum of its tokens' CE / N``
-    (:func:`cpkv.integrations.causal_lm.causal_lm_loss`). After ``loss.backward()`` the
+    (:func:`cpkv.integrations.causal_lm.causal_lm_loss_from_hidden`: the cross-entropy is
+    computed from the head's input and weight ``chunk_size`` tokens at a time, forward and
+    backward, so the ``[T/cp, V]`` logits, their float32 copy and their gradient never exist
+    unless ``return_logits``). After ``loss.backward()`` the
     gradients reduced over the CP group as ``grad_reduction`` says equal those of one
     process running every document alone (Hugging Face's model, batch 1, positions from 0),
     and ``lm_loss`` is that process's loss. Hugging Face's router auxiliary loss is not
@@ -295,6 +348,10 @@ def deepseek_v4_causal_lm_loss(
             ``padding``), used instead of planning here (``layout`` and ``exchange`` are then the
             plan's); ``check_ranks`` still compares the ranks' ``cu_seqlens``, plan options and
             fingerprints.
+        chunk_size: tokens per chunk of the loss (``>= 1``; default 1024: one chunk's float32
+            logits are ``4 * 1024 * V`` bytes, 0.5 GB at V = 129,280).
+        return_logits: also run the head on every token and return its ``[T/cp, V]`` logits
+            (``DeepseekV4CausalLMOutput.logits``, else ``None``); the loss is the same chunked one.
 
     Returns:
         :class:`DeepseekV4CausalLMOutput`.
@@ -319,6 +376,8 @@ def deepseek_v4_causal_lm_loss(
             raise ValueError(f"labels must hold input_ids' {ids.numel()} tokens, got {targets.numel()}")
         shifted = shift_labels(targets, cu, ignore_index=ignore_index, padding=padding)
         scale = grad_reduction_scale(grad_reduction, group)
+        check_int("chunk_size", chunk_size, minimum=1)
+        head = _head(model)
         if plan is not None:
             check_given_plan(plan, cu, group, padding=padding)
     except Exception as error:  # noqa: BLE001 - agreed, then raised
@@ -336,24 +395,23 @@ def deepseek_v4_causal_lm_loss(
         check_same_on_all_ranks(cu, cp_group, options=plan.comparison_options(), fingerprint=fingerprint)
     ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
     context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale)
-    output = model(
-        input_ids=ids_local[None], position_ids=plan.q_positions.to(ids.device)[None], attention_mask={"cpkv": None},
-        use_cache=False, output_router_logits=False, **{CONTEXT_KWARG: context},
-    )
-    if getattr(output, "logits", None) is None:
-        raise TypeError(f"model must be a DeepseekV4ForCausalLM (with its head), got an output without logits: {type(output).__name__}")
+    count = global_valid_count(labels_local, group, ignore_index=ignore_index)
+    normaliser = count if num_items_in_batch is None else num_items_in_batch
+
+    def loss_of(hidden: Tensor, weight: Tensor) -> Tensor:
+        return causal_lm_loss_from_hidden(hidden, weight, labels_local, group, num_items_in_batch=normaliser,
+                                          ignore_index=ignore_index, grad_reduction=grad_reduction, chunk_size=chunk_size)
+
+    inputs = {"input_ids": ids_local[None], "position_ids": plan.q_positions.to(ids.device)[None],
+              "attention_mask": {"cpkv": None}, "use_cache": False, "output_router_logits": False, CONTEXT_KWARG: context}
+    output, loss = _forward_with_head_loss(model, head, loss_of, inputs, return_logits)
     expected = int(config.num_hidden_layers)
     if len(context.records) != expected:
         raise ValueError(
             f"only {len(context.records)} of the model's {expected} attention layers ran under CP:"
             " call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
         )
-    logits = output.logits[0]
-    count = global_valid_count(labels_local, group, ignore_index=ignore_index)
-    loss = causal_lm_loss(
-        logits, labels_local, group, num_items_in_batch=count if num_items_in_batch is None else num_items_in_batch,
-        ignore_index=ignore_index, grad_reduction=grad_reduction,
-    )
+    logits = output.logits[0] if return_logits else None
     csa = [i for i in sorted(context.records) if config.layer_types[i] == "compressed_sparse_attention"] if indexer_loss else []
     kl = [context.records[i] for i in csa]
     logged = torch.stack([loss.detach() / scale] + [loss.new_zeros(()) if v is None else v.detach().to(loss.dtype) for v in kl])

@@ -24,6 +24,10 @@ biases and hash table. Cases:
 * ``checkpoint``: activation checkpointing (non-reentrant), two micro-batches' forwards before
   one backward, with the indexer loss on.
 
+The CP loss is the chunked one (``chunk_size=5``, 7 in the padded case: several uneven chunks per
+rank, so the whole model's gradients pass through the chunked cross-entropy's backward);
+``contiguous/allgather`` also asks for the logits (``return_logits=True``), the others get ``None``.
+
 Every CP forward runs with Hugging Face's ``create_sliding_window_causal_mask`` replaced by
 one that raises: no mask is built. The indexer (trained only with ``indexer_loss=True``, which
 HF lacks) is compared with cp 1 of the same case.
@@ -72,6 +76,7 @@ LENGTHS = [5, 0, 30, 3, 1, 19, 14]
 OTHER_LENGTHS = [20, 16, 36]  # the second micro-batch of the checkpointing case
 ZIGZAG_LENGTHS = [48, 24]  # multiples of 2*cp for cp 1-4
 LOSS_ABS, GRAD_REL = 1e-12, 1e-11
+CHUNK = 5  # tokens per chunk of the loss: several uneven chunks on every rank (not the default 1024, one chunk here)
 
 
 def _config() -> Any:
@@ -171,6 +176,7 @@ def _run(model: Any, batch: dict[str, Any], group: Any, **options: Any) -> Any:
     from cpkv.integrations.transformers_lm import deepseek_v4_causal_lm_loss
 
     source = options.pop("source", "cu")
+    options.setdefault("chunk_size", CHUNK)
     if source == "position_ids":  # DataCollatorWithFlattening's form: positions restart at 0, [1, T]
         positions = torch.cat([torch.arange(n) for n in batch["lengths"]])[None]
         where = {"position_ids": positions}
@@ -186,7 +192,8 @@ def _sum_case(model: Any, group: Any, batch: dict[str, Any], *, wrapper: Any = N
     out.loss.backward()
     grads, missing = _reduced_grads(model, group, reduce=True)
     return {"loss": _sum_all(out.loss, group), "lm_loss": float(out.lm_loss), "grads": grads, "missing": missing,
-            "num_tokens": int(out.num_tokens), "state": _holds_state(model)}
+            "num_tokens": int(out.num_tokens), "state": _holds_state(model),
+            "logits": None if out.logits is None else (tuple(out.logits.shape), out.logits.requires_grad)}
 
 
 def _ddp_case(model: Any, group: Any, batch: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +254,7 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
             layer.self_attn.compile(backend="aot_eager")  # the whole model: test_whole_model_compiles
         with hf_oracle.lifted(), _no_mask():
             cases = {
-                "contiguous/allgather": _sum_case(models[0], group, batches["main"]),
+                "contiguous/allgather": _sum_case(models[0], group, batches["main"], return_logits=True),
                 "contiguous/need": _sum_case(models[1], group, batches["main"], exchange="need", source="position_ids"),
                 "zigzag/allgather": _sum_case(models[2], group, batches["zigzag"], layout="zigzag"),
                 "zigzag/need": _sum_case(models[5], group, batches["zigzag"], layout="zigzag", exchange="need"),
@@ -297,7 +304,7 @@ def _padded_case(model: Any, group: Any, batch: dict[str, Any], cp: int, exchang
     labels = pad_documents(batch["labels"][:, None], batch["cu"], 2 * cp).x[:, 0]
     out = deepseek_v4_causal_lm_loss(model, padded.x[:, 0][None], group, cu_seqlens=padded.cu_seqlens, labels=labels[None],
                                      layout="zigzag", exchange=exchange, padding=padded.padding, indexer_loss=True,
-                                     backend="reference")  # type: ignore[arg-type]
+                                     backend="reference", chunk_size=CHUNK + 2)  # type: ignore[arg-type]
     out.loss.backward()
     grads, missing = _reduced_grads(model, group, reduce=True)
     return {"loss": _sum_all(out.loss, group), "lm_loss": float(out.lm_loss), "grads": grads, "missing": missing,
@@ -430,6 +437,8 @@ def test_loss_and_gradients_match_hf_per_document(cp_run: tuple[int, dict[str, A
     assert max(errors.values()) <= GRAD_REL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     assert _indexer(want["untrained"]) and all(float(got["grads"][n].abs().max()) == 0 for n in _indexer(want["untrained"]))
     assert got["state"] == []
+    # The logits only when asked (contiguous/allgather asks): this rank's [T/cp, V], the head's differentiable output.
+    assert got["logits"] == (((sum(LENGTHS) // _cp, VOCAB), True) if case == "contiguous/allgather" else None)
 
 
 def test_mean_reduction_under_ddp(cp_run: tuple[int, dict[str, Any]], cp_runs: dict[int, dict[str, Any]]) -> None:

@@ -1,0 +1,464 @@
+"""One rank's memory of a whole DeepSeek-V4 training step at 1M tokens, counted on meta tensors.
+
+**What is counted on the real code path** (meta tensors of the true sizes, a fake process
+group, this module's :class:`MemoryCounter`):
+
+* **attention layers** (one CSA layer, ratio 4, and one HCA layer, ratio 128, at the model's
+  dims; every layer of a kind is the same): cpkv's V4-style layer
+  (:class:`cpkv.v4.V4Attention`: full-rank q/kv/o projections, RoPE, the compressor, the indexer
+  with its KL loss, the kv exchange and sparse attention) forward + backward on this rank's
+  ``T/cp`` tokens, with the **CUDA path's** kernels: :class:`~cpkv.backends.cuda.CUDABackend`
+  with the Triton kernels forced and torch's ``varlen_attn``; on meta tensors every kernel is
+  its custom op's fake implementation, i.e. exactly the tensors the CUDA kernels allocate.
+  Columns: tensors saved for backward (``saved_tensors_hooks``, by storage, parameters
+  excluded), the peak of live storages made by aten/custom ops over forward + backward (on top
+  of the parameters and the input), the largest single tensor (op and shape), the exchange's
+  receive buffers (outputs of cpkv's collective ops, forward) and the indexer's scores and
+  selections (outputs of its top-k / score ops, forward).
+* **loss**: :func:`~cpkv.integrations.causal_lm.causal_lm_loss_from_hidden` forward + backward
+  at ``[T/cp, hidden]`` and the ``[V, hidden]`` head, default chunk.
+* **parameters**: ``DeepseekV4ForCausalLM(config)`` built on meta and its parameters counted.
+
+**What is arithmetic, not counted** (labelled in the table): FSDP2 state per parameter (float32
+master, float32 gradient, Adam's two float32 moments: 16 bytes, sharded over ``world``; plus the
+bf16 parameters of two decoder layers gathered at once, the current one and the prefetched
+one); the MoE, hyper-connection (``hc_mult`` streams) and norm activations of a layer
+(:func:`ffn_saved_bytes`: Hugging Face's eager MoE has data-dependent shapes that meta tensors
+cannot run); with activation checkpointing, the layer inputs kept (``[T/cp, hc_mult, hidden]``
+bf16 per layer) and one layer's activations recomputed at a time.
+
+The counter is checked on CPU at small sizes (:func:`counter_checks`): the same counter on
+meta tensors against the allocator's peak of a real run (``torch.profiler`` memory events:
+every CPU allocation and free, kernel temporaries included) with the reference backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cpkv.backends.base import AttentionBackend
+from cpkv.bench.memory import LiveBytes, no_all_to_all, storage_key
+from cpkv.bench.traffic import fake_group
+from cpkv.integrations.causal_lm import causal_lm_loss, causal_lm_loss_from_hidden
+from cpkv.plan.attention import AttentionPlan, plan_attention
+from cpkv.v4 import V4Attention, V4Config
+
+__all__ = [
+    "CounterCheck",
+    "LayerCount",
+    "MemoryCounter",
+    "StepRow",
+    "counter_check_lines",
+    "counter_checks",
+    "ffn_saved_bytes",
+    "reading_lines",
+    "step_memory_lines",
+    "step_memory_table",
+]
+
+H200, ASCEND = 141e9, 64e9
+"""Device memory in bytes: an H200 (141 GB) and a 64 GB Ascend device."""
+
+_EXCHANGE_OPS = ("exchange", "all_gather", "reduce_scatter", "all_to_all")
+_INDEXER_OPS = ("indexer", "selected_scores", "topk")
+
+
+def _key(t: Tensor) -> tuple[int, int]:
+    return storage_key(t), t.untyped_storage().nbytes()
+
+
+class MemoryCounter(LiveBytes):  # type: ignore[no-untyped-call]
+    """:class:`~cpkv.bench.memory.LiveBytes` that also keeps the largest new storage and the bytes of exchange and indexer ops.
+
+    Temporaries inside one kernel (or inside a custom op's implementation) are not seen: on
+    meta tensors a custom op is its fake, i.e. the outputs its kernel allocates.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+        self.largest_op = ""
+        self.kinds = {"exchange": 0, "indexer": 0}
+        self.forward = True
+
+    def made(self, func: Any, tensor: Tensor, nbytes: int) -> None:
+        if nbytes > self.largest:
+            self.largest = nbytes
+            self.largest_op = f"{func} -> {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+        for kind, names in (("exchange", _EXCHANGE_OPS), ("indexer", _INDEXER_OPS)):
+            if self.forward and any(n in str(func) for n in names):
+                self.kinds[kind] += nbytes
+
+
+@contextmanager
+def saved_bytes(exclude: set[int]) -> Iterator[dict[int, int]]:
+    """Storages saved for backward while active (``{storage key: bytes}``), those in ``exclude`` left out."""
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key, nbytes = _key(t)
+        if key not in exclude:
+            saved[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+@dataclass(frozen=True)
+class LayerCount:
+    """One attention layer's forward + backward on one rank, in bytes (see the module docstring)."""
+
+    saved: int
+    peak: int
+    largest: int
+    largest_op: str
+    exchange: int
+    indexer: int
+
+
+def count_layer(config: V4Config, plan: AttentionPlan, cp: int, rank: int, backend: Any, *, device: str = "meta",
+                dtype: torch.dtype = torch.bfloat16) -> LayerCount:
+    """Count one layer's forward + backward on ``plan``'s tokens (the plan on ``device``)."""
+    with torch.device(device):
+        layer = V4Attention(config).to(dtype)
+    params = {_key(p)[0] for p in layer.parameters()}
+    x = torch.empty(plan.local_len, config.hidden, device=device, dtype=dtype).normal_().requires_grad_()
+    counter = MemoryCounter()
+    with fake_group(rank, cp), no_all_to_all():
+        with counter, saved_bytes(params | {_key(x)[0]}) as saved:
+            out = layer(x, plan, None, backend=backend).out
+        saved_total = sum(saved.values()) + x.numel() * x.element_size()  # the input is kept too
+        counter.forward = False
+        with counter:
+            out.backward(torch.ones_like(out))
+            del out
+    return LayerCount(saved_total, counter.peak, counter.largest, counter.largest_op, counter.kinds["exchange"],
+                      counter.kinds["indexer"])
+
+
+def cuda_path_backend() -> AttentionBackend:
+    """The CUDA path on any device: :class:`CUDABackend` with the Triton kernels and torch's ``varlen_attn`` forced."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from cpkv.backends.cuda import CUDABackend
+
+    forced = functools.wraps(varlen_attn)(lambda *a, **k: varlen_attn(*a, **k))  # not torch's own: no device check
+    return CUDABackend(forced, triton_kernels=True)
+
+
+def ffn_saved_bytes(config: Any, tokens: int) -> int:
+    """Estimated bf16 bytes one layer's MoE, hyper-connections and norms save for backward (arithmetic).
+
+    Per token: each of the ``k`` routed experts keeps its input row and its gate, up and
+    activation outputs (``hidden + 3 * moe_intermediate``), the shared experts the same
+    (``hidden + 3 * n_shared * moe_intermediate``), the router its fp32 logits; the two
+    hyper-connection blocks keep their ``[hc_mult, hidden]`` input and output each
+    (``4 * hc_mult * hidden``), the two norms their inputs (``2 * hidden``).
+    """
+    hidden, inter, hc = int(config.hidden_size), int(config.moe_intermediate_size), int(config.hc_mult)
+    k, shared, experts = int(config.num_experts_per_tok), int(config.n_shared_experts), int(config.n_routed_experts)
+    per_token = 2 * (k * (hidden + 3 * inter) + hidden + 3 * shared * inter + 4 * hc * hidden + 2 * hidden) + 4 * experts
+    return tokens * per_token
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One (model, cp, checkpointing) row of the whole-step table, bytes."""
+
+    model: str
+    cp: int
+    tokens: int
+    checkpointing: bool
+    states: int
+    attention_saved: int
+    ffn_saved: int
+    checkpoints: int
+    largest: str
+    transient: int
+    exchange: int
+    indexer: int
+    loss: int
+
+    @property
+    def activations(self) -> int:
+        """Saved activations of the step (all layers; with checkpointing: the kept inputs and one layer's)."""
+        return self.checkpoints + self.attention_saved + self.ffn_saved
+
+    @property
+    def total(self) -> int:
+        """States, activations and the larger of the attention's backward transient and the loss."""
+        return self.states + self.activations + max(self.transient, self.loss)
+
+
+def _parameters(config: Any) -> tuple[int, int]:
+    """``(all parameters, the largest decoder layer's)`` of the model, built on meta."""
+    from transformers import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    return sum(p.numel() for p in model.parameters()), layer
+
+
+def _layer_config(config: Any, ratio: int) -> V4Config:
+    rope = int(config.qk_rope_head_dim)
+    return V4Config(hidden=int(config.hidden_size), heads=int(config.num_attention_heads), head_dim=int(config.head_dim),
+                    rope_dim=rope, window=int(config.sliding_window), compress_ratio=ratio, topk=int(config.index_topk),
+                    index_heads=int(config.index_n_heads), index_head_dim=int(config.index_head_dim))
+
+
+def _loss_peak(tokens: int, hidden: int, vocab: int) -> int:
+    h = torch.empty(tokens, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(vocab, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.zeros(tokens, device="meta", dtype=torch.int64)
+    counter = MemoryCounter()
+    with fake_group(0, 1), counter:
+        causal_lm_loss_from_hidden(h, w, labels, None, num_items_in_batch=tokens).backward()  # type: ignore[no-untyped-call]
+    return counter.peak
+
+
+def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = False) -> list[StepRow]:
+    """Every model x cp x (without, with activation checkpointing), balanced layout, need exchange, one document."""
+    from transformers import DeepseekV4Config
+
+    from cpkv.bench.layouts import v4_pro_config
+    from cpkv.integrations.transformers import deepseek_v4_plan_options
+
+    models = {"V4-Flash": DeepseekV4Config(), "V4-Pro": v4_pro_config()}
+    if smoke:
+        models = {"tiny": DeepseekV4Config(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                           index_n_heads=2, index_head_dim=32, num_hidden_layers=2,
+                                           layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                                           mlp_layer_types=["moe", "moe"], n_routed_experts=4, moe_intermediate_size=64,
+                                           vocab_size=1024, q_lora_rank=64, o_lora_rank=64, o_groups=2)}
+    rows: list[StepRow] = []
+    backend = cuda_path_backend()
+    for name, config in models.items():
+        total_params, layer_params = _parameters(config)
+        states = total_params * 16 // world + 2 * 2 * layer_params
+        options = deepseek_v4_plan_options(config)
+        kinds = {int(r): list(config.layer_types).count(t) for t, r in dict(config.compress_rates).items()}
+        for cp in cps:
+            rank = cp - 1
+            with fake_group(rank, cp):
+                plan = plan_attention(torch.tensor([0, tokens]), cp, rank, layout="balanced", exchange="need",
+                                      check_ranks=False, **options)
+            plan = plan.to(torch.device("meta"))
+            counts = {r: count_layer(_layer_config(config, r), plan, cp, rank, backend) for r in kinds}
+            local = plan.local_len
+            ffn = ffn_saved_bytes(config, local)
+            loss = _loss_peak(local, int(config.hidden_size), int(config.vocab_size))
+            biggest = max(counts.values(), key=lambda c: c.largest)
+            common = {"model": name, "cp": cp, "tokens": local, "states": states, "largest": f"{biggest.largest_op}",
+                      "transient": max(c.peak - c.saved for c in counts.values()), "loss": loss,
+                      "exchange": max(c.exchange for c in counts.values()), "indexer": max(c.indexer for c in counts.values())}
+            layers = sum(kinds.values())
+            rows.append(StepRow(checkpointing=False, attention_saved=sum(n * counts[r].saved for r, n in kinds.items()),
+                                ffn_saved=layers * ffn, checkpoints=0, **common))  # type: ignore[arg-type]
+            kept = layers * local * int(config.hc_mult) * int(config.hidden_size) * 2
+            rows.append(StepRow(checkpointing=True, attention_saved=max(c.saved for c in counts.values()), ffn_saved=ffn,
+                                checkpoints=kept, **common))  # type: ignore[arg-type]
+    return rows
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]:
+    """The whole-step table and its header."""
+    lines = [
+        "", f"## Memory of a whole training step per rank at {tokens:,} tokens (counted on meta tensors)", "",
+        f"`python -m cpkv.bench memory` (`cpkv/bench/step_memory.py`): one document of {tokens:,} tokens, balanced layout,"
+        " need exchange, bf16, the last rank. GB = 1e9 bytes. Columns and what each counts:", "",
+        f"* `states`: arithmetic: parameters (counted: the HF model built on meta) x 16 bytes (fp32 master, fp32 gradient,"
+        f" Adam's two moments) / {world} ranks of FSDP2, plus two decoder layers' bf16 parameters gathered at once.",
+        "* `attention saved`: counted: what the CSA and HCA layers save for backward (cpkv's V4-style layer through the"
+        " CUDA path's custom-op fakes: `varlen_attn`, the Triton sparse and indexer ops), summed over the model's layers"
+        " (with checkpointing: the one layer recomputed at a time).",
+        "* `ffn saved`: estimated (`ffn_saved_bytes`): MoE, hyper-connections and norms per layer (all layers, or one"
+        " with checkpointing). `ckpt inputs`: with checkpointing, every layer's `[T/cp, hc_mult, hidden]` bf16 input.",
+        "* `transient`: counted: the attention layer's forward+backward peak above what it saves; `largest`: its largest"
+        " single tensor. `exchange`: counted: the forward receive buffers of one layer (cpkv's collective ops);"
+        " `indexer`: counted: the indexer's scores and selections of a CSA layer (forward outputs of its ops).",
+        "* `loss`: counted: the chunked loss's peak (`causal_lm_loss_from_hidden`, 1,024-token chunks, forward + backward).",
+        "* `total` = states + activations + max(transient, loss); fits: an H200 (141 GB) / a 64 GB device.", "",
+        "| model | cp | T/cp | ckpt | states | attention saved | ffn saved | ckpt inputs | transient | largest tensor"
+        " (op) | exchange | indexer | loss | total | H200 | 64 GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fits = ["yes" if r.total <= cap else "no" for cap in (H200, ASCEND)]
+        lines.append(
+            f"| {r.model} | {r.cp} | {r.tokens:,} | {'yes' if r.checkpointing else 'no'} | {_gb(r.states)} |"
+            f" {_gb(r.attention_saved)} | {_gb(r.ffn_saved)} | {_gb(r.checkpoints)} | {_gb(r.transient)} |"
+            f" `{r.largest}` | {_gb(r.exchange)} | {_gb(r.indexer)} | {_gb(r.loss)} | {_gb(r.total)} | {fits[0]} | {fits[1]} |"
+        )
+    return lines
+
+
+def reading_lines(rows: list[StepRow]) -> list[str]:
+    """One paragraph read off the rows: what dominates, and the smallest cp that fits each device."""
+    sentences = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        for ckpt in (False, True):
+            parts = [r for r in mine if r.checkpointing == ckpt]
+            if not parts:
+                continue
+            worst = min(parts, key=lambda r: r.cp)
+            terms = {"states": worst.states, "attention activations": worst.attention_saved, "ffn activations (estimated)": worst.ffn_saved,
+                     "checkpointed layer inputs": worst.checkpoints}
+            top = max(terms, key=lambda k: terms[k])
+            fits = []
+            for name, cap in (("an H200", H200), ("a 64 GB device", ASCEND)):
+                ok = [r.cp for r in parts if r.total <= cap]
+                fits.append(f"{name} from cp {min(ok)}" if ok else f"{name} at no cp up to {max(r.cp for r in parts)}")
+            sentences.append(
+                f"{model} {'with' if ckpt else 'without'} activation checkpointing: {top} dominate"
+                f" ({_gb(terms[top])} of {_gb(worst.total)} GB at cp {worst.cp}); it fits {' and '.join(fits)}."
+            )
+    return ["", "Reading: " + " ".join(sentences) + " The loss (chunked) and the exchange's receive buffers stay a few GB"
+            " at every cp; the largest single tensor is the query projection's output `[T/cp, heads * head_dim]`."
+            " What the table does not show: expert parallelism (the states shrink with the expert-parallel size) and"
+            " activation offloading."]
+
+
+@dataclass(frozen=True)
+class CounterCheck:
+    """The counter on meta tensors and on real CPU tensors, and the CPU allocator's measured peak, bytes."""
+
+    case: str
+    counted: int
+    counted_cpu: int
+    measured: int
+    measured_outputs: int
+
+
+def _profiled_peaks(run: Callable[[], None]) -> tuple[int, int]:
+    """Peaks of the CPU allocator's live bytes during ``run()``: as measured, and with cpkv's custom ops as their outputs.
+
+    ``torch.profiler`` memory events (every allocation and free, in time order). The second
+    peak replaces the events inside each outermost ``cpkv::`` custom op by one event of their
+    net bytes at the op's end: what remains of the op (its outputs, less what it freed), its
+    internal temporaries (the reference implementation's) left out.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    results: Any = prof.profiler.kineto_results if prof.profiler is not None else None
+    events = sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
+    windows: list[tuple[int, int]] = []
+    for start, end in sorted((e.start_ns(), e.end_ns()) for e in results.events() if e.name().startswith("cpkv::")):
+        if windows and start <= windows[-1][1]:
+            windows[-1] = (windows[-1][0], max(windows[-1][1], end))
+        else:
+            windows.append((start, end))
+    merged: dict[int, int] = {}
+    for time_ns, nbytes in events:
+        inside = next((end for start, end in windows if start <= time_ns <= end), None)
+        key = time_ns if inside is None else inside
+        merged[key] = merged.get(key, 0) + nbytes
+    return _running_peak(events), _running_peak(sorted(merged.items()))
+
+
+def _running_peak(events: list[tuple[int, int]]) -> int:
+    now = peak = 0
+    for _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return peak
+
+
+def _counted_peak(run: Callable[[], None]) -> int:
+    counter = MemoryCounter()
+    with counter:
+        run()
+    return counter.peak
+
+
+def _check(case: str, make: Callable[[str], Callable[[], None]]) -> CounterCheck:
+    """``make(device)`` builds the inputs on ``device`` and returns the run (forward + backward) to measure."""
+    measured, outputs_only = _profiled_peaks(make("cpu"))
+    return CounterCheck(case, _counted_peak(make("meta")), _counted_peak(make("cpu")), measured, outputs_only)
+
+
+def _loss_run(tokens: int, hidden: int, vocab: int, chunked: bool) -> Callable[[str], Callable[[], None]]:
+    def make(device: str) -> Callable[[], None]:
+        h = torch.empty(tokens, hidden, device=device).normal_().requires_grad_()
+        w = torch.empty(vocab, hidden, device=device).normal_().requires_grad_()
+        labels = torch.zeros(tokens, device=device, dtype=torch.int64)
+
+        def run() -> None:
+            with fake_group(0, 1):
+                if chunked:
+                    loss = causal_lm_loss_from_hidden(h, w, labels, None, num_items_in_batch=tokens, chunk_size=256)
+                else:
+                    loss = causal_lm_loss(torch.nn.functional.linear(h, w), labels, None, num_items_in_batch=tokens)
+                loss.backward()  # type: ignore[no-untyped-call]
+
+        return run
+
+    return make
+
+
+def _layer_run(ratio: int, tokens: int, cp: int) -> Callable[[str], Callable[[], None]]:
+    config = V4Config(hidden=256, heads=4, head_dim=64, rope_dim=16, window=16, compress_ratio=ratio, topk=16,
+                      index_heads=2, index_head_dim=32)
+    rank = cp - 1
+    with fake_group(rank, cp):
+        cpu_plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", compress_ratios=[ratio],
+                                  windows=[16], check_ranks=False)
+
+    def make(device: str) -> Callable[[], None]:
+        with torch.device(device):
+            layer = V4Attention(config)
+        plan = cpu_plan.to(torch.device(device))
+        x = torch.empty(plan.local_len, config.hidden, device=device).normal_().requires_grad_()
+
+        def run() -> None:
+            with fake_group(rank, cp), no_all_to_all():
+                out = layer(x, plan, None, backend="reference").out
+                out.backward(torch.ones_like(out))
+
+        return run
+
+    return make
+
+
+def counter_checks(*, smoke: bool = False) -> list[CounterCheck]:
+    """The counter (meta and CPU tensors) vs the CPU allocator, float32, at small sizes."""
+    tokens, vocab = (256, 1024) if smoke else (2048, 8192)
+    checks = [_check(f"chunked loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, True)),
+              _check(f"whole-logits loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, False))]
+    for ratio in (4, 128):
+        checks.append(_check(f"attention layer, ratio {ratio}, T/cp {tokens // 4} (cp 4)", _layer_run(ratio, tokens, 4)))
+    return checks
+
+
+def counter_check_lines(checks: list[CounterCheck]) -> list[str]:
+    """The check table."""
+    lines = [
+        "", "Counter check, CPU, float32: the counter's peak of a forward + backward on meta tensors and on real CPU"
+        " tensors, against the CPU allocator's measured peak of the real run (`torch.profiler` memory events: every"
+        " allocation and free, temporaries inside kernels and inside the reference backend's custom ops included), and"
+        " the same events with each `cpkv::` custom op's events replaced by their net at the op's end (the op as its"
+        " outputs: what its fake, and a kernel keeping its tiles on chip, allocates). Attention layers: hidden 256, 4"
+        " heads of 64, window 16, top-k 16, last rank of cp 4, need exchange, reference backend.", "",
+        "| case | counted on meta MiB | counted on CPU MiB | measured MiB | measured, custom ops as outputs MiB |"
+        " meta / measured | meta / measured (outputs) |", "|---|---|---|---|---|---|---|",
+    ]
+    for c in checks:
+        lines.append(f"| {c.case} | {c.counted / 2**20:.2f} | {c.counted_cpu / 2**20:.2f} | {c.measured / 2**20:.2f} |"
+                     f" {c.measured_outputs / 2**20:.2f} | {c.counted / max(c.measured, 1):.3f} |"
+                     f" {c.counted / max(c.measured_outputs, 1):.3f} |")
+    return lines
