@@ -238,8 +238,8 @@ def _cu_seqlens(input_ids: Tensor, cu_seqlens: Tensor | None, position_ids: Tens
 
 def deepseek_v4_causal_lm_loss(
     model: Any, input_ids: Tensor, group: Group, *, cu_seqlens: Tensor | None = None,
-    position_ids: Tensor | None = None, labels: Tensor | None = None, layout: Layout = "contiguous",
-    exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
+    position_ids: Tensor | None = None, labels: Tensor | None = None, layout: Layout = "balanced",
+    exchange: Exchange = "need", grad_reduction: GradReduction = "sum",
     num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
     grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
     padding: Tensor | None = None, plan: AttentionPlan | None = None,
@@ -270,7 +270,9 @@ def deepseek_v4_causal_lm_loss(
             positions used are the plan's, the same for well-formed ids).
         labels: ``[T]`` / ``[1, T]`` unshifted labels (Hugging Face's convention, ``ignore_index``
             where a token is no target); default ``input_ids``.
-        layout, exchange: as in :func:`cpkv.plan_attention`. Zigzag needs every document
+        layout, exchange: as in :func:`cpkv.plan_attention` (default ``"balanced"`` by the
+            model's own cost and ``"need"`` with its windows, from
+            :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`). Zigzag needs every document
             length to be a multiple of ``2 * cp``: pad with :func:`cpkv.pad_documents` and
             pass its ``padding`` (below).
         grad_reduction: ``"sum"`` if you all-reduce (SUM) the gradients over the CP group,

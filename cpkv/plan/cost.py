@@ -24,8 +24,10 @@ A CP step is as slow as its busiest rank, and a rank's time is all the work of i
 The default :class:`CostModel` ``()`` is the whole DeepSeek-V4-Flash model (transformers'
 ``DeepseekV4Config()``): about 13.26 G forward MACs of dense work per token, 1.46 G of attention
 at position 8K and 56 G at 1M. Build one for your model with :meth:`CostModel.from_deepseek_v4`
-(a transformers ``DeepseekV4Config``), :meth:`CostModel.from_v4` (:class:`cpkv.v4.V4Config`
+(a transformers ``DeepseekV4Config``), :meth:`CostModel.from_hf_config` (a transformers Llama,
+Qwen2/3, Qwen-MoE or DeepSeek-V3 config), :meth:`CostModel.from_v4` (:class:`cpkv.v4.V4Config`
 layers) or :meth:`CostModel.from_megatron` (a Megatron ``TransformerConfig``).
+``plan_attention(layout="balanced")`` requires one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_tensor
+from cpkv.plan.cost_hf import hf_attention_shape, hf_dense_terms
 
 __all__ = ["CostModel", "DenseTerms", "deepseek_v4_dense_terms", "megatron_dense_terms", "v4_layer_dense_terms"]
 
@@ -322,6 +325,37 @@ class CostModel:
             hca_ratio=min(ratios["hca"], default=128), swa_layers=counts["swa"], csa_layers=counts["csa"],
             hca_layers=counts["hca"], causal_layers=counts["causal"], dense=tuple(terms.items()), backward=backward,
             attention_backward=attention_backward,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, backward: float = 2.0, attention_backward: float = 2.5) -> CostModel:
+        """The whole model of a Hugging Face decoder config: dense or MoE, GQA or MLA attention.
+
+        Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE (GQA: ``num_key_value_heads``,
+        ``head_dim``) and DeepSeek-V3 (MLA: ``kv_lora_rank``, ``q_lora_rank``,
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) configs, or any object with
+        their fields (:func:`cpkv.plan.cost_hf.hf_dense_terms`,
+        :func:`cpkv.plan.cost_hf.hf_attention_shape`). Sliding layers (``layer_types``,
+        ``sliding_window``) attend ``min(W, p + 1)`` keys, the others ``p + 1``. A
+        ``DeepseekV4Config`` takes :meth:`from_deepseek_v4`.
+
+        Raises:
+            ValueError: a ``DeepseekV4Config`` (it has compressed layers: use :meth:`from_deepseek_v4`).
+
+        Example:
+            >>> from transformers import LlamaConfig
+            >>> model = CostModel.from_hf_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            ...                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+            >>> model.causal_layers, model.key_cost, model.dense_macs
+            (2, 128, 80128)
+        """
+        if hasattr(config, "compress_rates"):
+            raise ValueError("config is a DeepseekV4Config (compressed layers): use CostModel.from_deepseek_v4(config)")
+        shape = hf_attention_shape(config)
+        return cls(
+            heads=shape.heads, head_dim=shape.key_dim, value_dim=shape.value_dim, window=shape.window,
+            swa_layers=shape.windowed_layers, csa_layers=0, hca_layers=0, causal_layers=shape.causal_layers,
+            dense=hf_dense_terms(config), backward=backward, attention_backward=attention_backward,
         )
 
     @classmethod
