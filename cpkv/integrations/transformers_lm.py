@@ -260,8 +260,8 @@ def deepseek_v4_causal_lm_loss(
     added (``output_router_logits=False``; DeepSeek-V4 balances experts without it).
 
     Args:
-        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP /
-            FSDP / ``torch.compile`` wrapper of one).
+        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP or
+            ``torch.compile`` wrapper of one; FSDP2: see docs/integrations.md).
         input_ids: ``[T]`` or ``[1, T]`` the whole packed batch, on the model's device.
         group: the CP group (``None``: the default group).
         cu_seqlens: ``[B + 1]`` leading-zero document boundaries; or
@@ -276,7 +276,8 @@ def deepseek_v4_causal_lm_loss(
             length to be a multiple of ``2 * cp``: pad with :func:`cpkv.pad_documents` and
             pass its ``padding`` (below).
         grad_reduction: ``"sum"`` if you all-reduce (SUM) the gradients over the CP group,
-            ``"mean"`` if DDP / FSDP averages them (over a data x CP mesh): the loss and the
+            ``"mean"`` if DDP averages them (over a data x CP mesh; FSDP2: see
+            docs/integrations.md): the loss and the
             indexer's ``grad_scale`` are then multiplied by the CP size.
         num_items_in_batch: the loss normaliser when it spans several micro-batches (default:
             this batch's valid labels over the group).
