@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cpkv.bench import layouts
+from cpkv.bench import layouts, mindspeed
 from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.heads import heads_lines, heads_table
 from cpkv.bench.heads import main as heads_main
@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest; ``kernels``
     prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
     executed work, launches and host syncs; ``heads`` the kv-heads table; ``planning`` every layout's planning
-    time at 1M tokens.
+    time at 1M tokens; ``mindspeed`` MindSpeed-LLM's all-gather bytes against cpkv's need exchange
+    (:mod:`cpkv.bench.mindspeed`, its section of docs/mindspeed.md).
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
@@ -424,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return indexer_main(argv[1:])
     if argv[:1] == ["heads"]:
         return heads_main(argv[1:])
+    if argv[:1] == ["mindspeed"]:
+        return mindspeed.main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())

@@ -454,11 +454,11 @@ def plot(rows: list[dict[str, object]], path: Path) -> bool:
     return True
 
 
-def replace_section(text: str, section: str) -> str:
-    """``text`` with its :data:`BEGIN`..:data:`END` section replaced by ``section`` (appended if absent)."""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        return head + section.rstrip("\n") + rest.split(END, 1)[1]
+def replace_section(text: str, section: str, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with its ``begin``..``end`` section (default :data:`BEGIN`..:data:`END`) replaced by ``section`` (appended if absent)."""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + section.rstrip("\n") + rest.split(end, 1)[1]
     return text.rstrip("\n") + "\n\n" + section
 
 
