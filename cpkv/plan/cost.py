@@ -42,6 +42,7 @@ from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_tensor
 from cpkv.plan.cost_hf import hf_attention_shape, hf_dense_terms
+from cpkv.plan.projection_macs import gqa_projection_macs, mla_projection_macs
 
 __all__ = ["CostModel", "DenseTerms", "deepseek_v4_dense_terms", "megatron_dense_terms", "v4_layer_dense_terms"]
 
@@ -144,15 +145,11 @@ def megatron_dense_terms(config: Any, vocab_size: int = 0) -> DenseTerms:
     check_int("vocab_size", vocab_size, minimum=0)
     h, heads, layers = int(config.hidden_size), int(config.num_attention_heads), int(config.num_layers)
     if getattr(config, "multi_latent_attention", False):
-        qk, pe, dv, kv_lora = (int(config.qk_head_dim), int(config.qk_pos_emb_head_dim), int(config.v_head_dim),
-                               int(config.kv_lora_rank))
         q_lora = getattr(config, "q_lora_rank", None)
-        q = h * heads * (qk + pe) if q_lora is None else h * int(q_lora) + int(q_lora) * heads * (qk + pe)
-        projections = q + h * (kv_lora + pe) + kv_lora * heads * (qk + dv) + heads * dv * h
+        projections = mla_projection_macs(h, heads, int(config.qk_head_dim), int(config.qk_pos_emb_head_dim),
+                                          int(config.v_head_dim), int(config.kv_lora_rank), None if q_lora is None else int(q_lora))
     else:
-        d = int(config.kv_channels or h // heads)
-        groups = int(config.num_query_groups or heads)
-        projections = h * (heads * d + 2 * groups * d) + heads * d * h
+        projections = gqa_projection_macs(h, heads, int(config.kv_channels or h // heads), int(config.num_query_groups or heads))
     c = 3 if getattr(config, "gated_linear_unit", False) else 2
     moe = _moe_layers(config)
     num_moe = sum(moe)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from cpkv.plan.projection_macs import gqa_projection_macs, mla_projection_macs
+
 __all__ = ["HFAttentionShape", "hf_attention_shape", "hf_dense_terms", "hf_moe_layers"]
 
 
@@ -97,15 +99,12 @@ def hf_dense_terms(config: Any) -> tuple[tuple[str, int], ...]:
     """
     h, heads, layers = int(config.hidden_size), int(config.num_attention_heads), int(config.num_hidden_layers)
     if _is_mla(config):
-        qk, pe, dv, kv_lora = (int(config.qk_nope_head_dim), int(config.qk_rope_head_dim), int(config.v_head_dim),
-                               int(config.kv_lora_rank))
         q_lora = getattr(config, "q_lora_rank", None)
-        q = h * heads * (qk + pe) if q_lora is None else h * int(q_lora) + int(q_lora) * heads * (qk + pe)
-        projections = q + h * (kv_lora + pe) + kv_lora * heads * (qk + dv) + heads * dv * h
+        projections = mla_projection_macs(h, heads, int(config.qk_nope_head_dim), int(config.qk_rope_head_dim),
+                                          int(config.v_head_dim), int(config.kv_lora_rank), None if q_lora is None else int(q_lora))
     else:
-        d = int(getattr(config, "head_dim", None) or h // heads)
-        groups = int(getattr(config, "num_key_value_heads", None) or heads)
-        projections = h * (heads * d + 2 * groups * d) + heads * d * h
+        projections = gqa_projection_macs(h, heads, int(getattr(config, "head_dim", None) or h // heads),
+                                          int(getattr(config, "num_key_value_heads", None) or heads))
     moe = hf_moe_layers(config)
     num_moe = sum(moe)
     dense_mlp = (layers - num_moe) * 3 * h * int(config.intermediate_size)
