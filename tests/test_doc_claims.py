@@ -136,3 +136,15 @@ def test_mindspeed_page_cites_tests_that_exist() -> None:
             assert re.search(rf"^def {name}\(", source, flags=re.M), (path.group(1), name)
             cited += 1
     assert cited >= 12
+
+
+MATRIX_ROWS = ["HF model", "HF Trainer", "FSDP2", "memory", "Megatron core attention", "Megatron DeepSeek-V4 layers",
+               "MindSpeed-LLM", "torchtitan", "DeepSpeed", "TP/SP x CP", "MTP", "inference / prefill", "GPU", "NPU"]
+
+
+def test_readme_support_matrix_has_every_row_and_column() -> None:
+    """The README's support matrix: one row per framework or feature, each with its three cells filled."""
+    table = _read("README.md").split("| | supported | tested how | missing |", 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [r[0] for r in rows] == MATRIX_ROWS
+    assert all(len(r) == 4 and all(r[1:]) for r in rows), rows
