@@ -161,6 +161,9 @@ def test_the_collator_takes_a_packed_row_and_checks_it() -> None:
         PackedCPCollator(2, 0, layout="contiguous")({"input_ids": ids, "position_ids": positions[:, :5]})
     with pytest.raises(ValueError, match="cost_model"):  # balanced, the default, never guesses the model's cost
         PackedCPCollator(2, 0)
+    model = CostModel(dense=(("x", 10),))
+    planned = PackedCPCollator(2, 0, plan_options={"cost_model": model, "windows": [4]})({"input_ids": ids, "position_ids": positions}).plan
+    assert (planned.layout, planned.exchange, planned.cost_model) == ("balanced", "need", model)  # the defaults
     with pytest.raises(ValueError, match="plan_options"):
         PackedCPCollator(2, 0, plan_options={"layout": "zigzag"})
     with pytest.raises(ValueError, match="cp_rank"):
