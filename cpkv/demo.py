@@ -2,8 +2,10 @@
 
 Spawns ``--cp`` CPU ranks (gloo) by default, or runs as one rank of a ``torchrun`` job
 (``RANK`` / ``WORLD_SIZE`` in the environment; ``--backend`` gloo, nccl or hccl). Every
-rank runs the layer in each mode on its contiguous shard of a packed batch of
-mixed-length documents (forward + backward), builds the whole-batch single-process
+rank runs the layer in each mode on its shard of a packed batch of mixed-length
+documents (by default ``--layout balanced --exchange need``: ranges cut by the layer's own
+modeled cost, :meth:`cpkv.CostModel.from_v4`, and only the needed rows received), forward
+and backward, builds the whole-batch single-process
 result itself, and the errors are reduced over the group: output and input-gradient
 errors from the shards, parameter-gradient errors after summing the gradients over
 ranks (what CP gradient reduction does). Prints a table; exits 1 on any mismatch.
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from cpkv.commstats import count_bytes
 from cpkv.launch import spawn
 from cpkv.plan.attention import plan_attention
+from cpkv.plan.cost import CostModel
 from cpkv.plan.conventions import seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config, reference_forward
 
@@ -74,7 +77,7 @@ def _cp(config: V4Config, x: torch.Tensor, g: torch.Tensor, cu: torch.Tensor, ar
     layer = V4Attention(config, seed=args.seed).to(x.device, x.dtype)
     ratios = [config.compress_ratio] if config.mode.compresses else []
     plan = plan_attention(cu, world, rank, layout=args.layout, exchange=args.exchange, ring_degree=args.ring_degree,
-                          compress_ratios=ratios, windows=[config.window])
+                          compress_ratios=ratios, windows=[config.window], cost_model=CostModel.from_v4(config))
     x_local = plan.shard(x).clone().requires_grad_(True)
     with count_bytes() as counter:
         start = time.perf_counter()
@@ -96,7 +99,7 @@ def _errors(config: V4Config, args: argparse.Namespace, rank: int, world: int, d
     dtype = DTYPES[args.dtype]
     exact = _single_process(config, x64.to(torch.float64 if args.dtype == "bf16" else dtype), g64.to(x64.dtype if args.dtype == "bf16" else dtype), cu, args.seed)
     local, elapsed, nbytes = _cp(config, x64.to(dtype), g64.to(dtype), cu, args, rank, world)
-    rows = plan_attention(cu, world, rank, layout=args.layout).shard(torch.arange(args.tokens, device=device))
+    rows = plan_attention(cu, world, rank, layout=args.layout, cost_model=CostModel.from_v4(config)).shard(torch.arange(args.tokens, device=device))
     sharded = {k: (v[rows] if k in ("out", "grad_x") else v) for k, v in exact.items()}
     summary = {"cp_out": _rel(local["out"], sharded["out"]),
                "cp_grads": max(_rel(local[k], sharded[k]) for k in sharded if k != "out")}
@@ -161,7 +164,8 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The demo's flags (defaults: the README's recommended ``--layout balanced --exchange need``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=_positive, default=4, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--tokens", type=_positive, default=1536, help="packed tokens of the micro-batch (divisible by cp for --layout contiguous)")
@@ -174,9 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of the need-based kv exchange, merged exactly by LSE (plan_attention(ring_degree=...))")
     parser.add_argument("--exchange", choices=["allgather", "need"], default="need",
                         help="move every rank's tokens (allgather) or only what each rank needs (need)")
-    parser.add_argument("--layout", choices=["contiguous", "balanced"], default="contiguous",
-                        help="packed tokens cut evenly (contiguous) or by a V4 layer stack's modeled cost (balanced)")
+    parser.add_argument("--layout", choices=["contiguous", "balanced"], default="balanced",
+                        help="packed tokens cut by the layer's own modeled cost (balanced, the default) or evenly (contiguous)")
     parser.add_argument("--backend", default=None, help="torch.distributed backend under torchrun (default gloo)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp

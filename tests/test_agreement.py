@@ -4,7 +4,7 @@ Two places where a failure can be local to some ranks:
 
 * ``plan_attention(..., group=g)`` when one rank's own arguments are invalid (it claims another
   position in the group, passes float ``cu_seqlens``, an unplanned ratio in ``prev_blocks``,
-  ``windows=[0]``, an unknown layout): 0.2.0 raised on that rank while the others waited in the
+  ``windows=[0]``, an unknown layout, ``layout="balanced"`` without ``cost_model``): 0.2.0 raised on that rank while the others waited in the
   cross-rank check's all-reduce;
 * a layer call whose compressor or indexer returns what the plan does not allow (entries of the
   wrong width, one entry fewer, keys or queries of the wrong width) or raises, on the ranks
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from cpkv import AttentionSpec, attention_forward, plan_attention
 from cpkv.launch import spawn
+from cpkv.plan.cost import CostModel
 from cpkv.plan.segments import CompressedPlan
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
@@ -82,6 +83,8 @@ def _plan_cases(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
         ("prev_blocks names ratios", lambda: plan_attention(CU, world, rank, prev_blocks={8: 1} if bad else None, **ok)),
         ("windows[0] must be >= 1", lambda: plan_attention(CU, world, rank, windows=[0] if bad else [4], **ok)),
         ("layout must be one of", lambda: plan_attention(CU, world, rank, layout="bsnd" if bad else "contiguous", **ok)),  # type: ignore[arg-type]
+        ("layout='balanced' needs the model's cost: pass cost_model=",  # never V4-Flash's cost silently
+         lambda: plan_attention(CU, world, rank, layout="balanced" if bad else "contiguous", **ok)),
     ]
 
 
@@ -89,7 +92,7 @@ def _layer_cases(rank: int, world: int, run: str) -> list[tuple[str, Callable[[]
     """Compressor/indexer failures in a layer call (every rank, or the ranks that own entries)."""
     layout, exchange = run.split("/")
     layer = V4Attention(V4Config(compress_ratio=4, window=4, topk=4), seed=1)
-    plan = plan_attention(ZIGZAG_CU if layout == "zigzag" else CU, world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+    plan = plan_attention(ZIGZAG_CU if layout == "zigzag" else CU, world, rank, layout=layout, cost_model=CostModel(), exchange=exchange,  # type: ignore[arg-type]
                           compress_ratios=[4], windows=[4])
     x = plan.shard(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)))
     q, kv = layer.project(x, plan.q_positions)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.launch import spawn
 from cpkv.plan import AttentionPlan, ShardLayout, bsnd_cu_seqlens, layout_from_ranges, plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.sharding import shard_zigzag, unshard_zigzag
@@ -92,7 +93,7 @@ def _plan(layout: str, name: str, world: int, rank: int, exchange: str = "allgat
     cu = seqlens_to_cu_seqlens(_lengths(layout, name))
     arg = {"tnd": "contiguous", "zigzag": "zigzag", "balanced": "balanced"}.get(layout) or _custom_layout(cu, world)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    return plan_attention(cu, world, rank, layout=arg, exchange=exchange, ring_degree=ring, compress_ratios=ratios,  # type: ignore[arg-type]
+    return plan_attention(cu, world, rank, layout=arg, cost_model=CostModel(), exchange=exchange, ring_degree=ring, compress_ratios=ratios,  # type: ignore[arg-type]
                           windows=[config.window])
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cpkv.plan.cost import CostModel
 from cpkv.attention import AttentionSpec, attention_forward
 from cpkv.backends.reference import ReferenceBackend
 from cpkv.comm import gather_from_sp_cp
@@ -76,7 +77,7 @@ def _cu(layout: str, world: int) -> Tensor:
 def _plan(layout: str, world: int, rank: int, exchange: str, ring: int, window: int | None) -> AttentionPlan:
     cu = _cu(layout, world)
     arg: Any = _custom_layout(cu, world) if layout == "custom" else layout
-    return plan_attention(cu, world, rank, layout=arg, exchange=exchange, ring_degree=ring, windows=[window])  # type: ignore[arg-type]
+    return plan_attention(cu, world, rank, layout=arg, cost_model=CostModel(), exchange=exchange, ring_degree=ring, windows=[window])  # type: ignore[arg-type]
 
 
 def _inputs(num_tokens: int, kv_heads: int, seed: int = 4) -> dict[str, Tensor]:

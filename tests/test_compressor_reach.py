@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
@@ -31,7 +32,7 @@ def _cu(layout: str) -> torch.Tensor:
 
 
 def _plan(layout: str, exchange: str, world: int, rank: int, ratio: int, **options: Any) -> Any:
-    return plan_attention(_cu(layout), world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+    return plan_attention(_cu(layout), world, rank, layout=layout, cost_model=CostModel(), exchange=exchange,  # type: ignore[arg-type]
                           compress_ratios=[ratio], windows=[6], **options)
 
 

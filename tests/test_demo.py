@@ -33,9 +33,16 @@ def test_verdict_rejects_a_mismatch() -> None:
     assert not demo._verdict({**row, "cp_out": 0.1, "sp_out": 0.01}, "bf16")
 
 
+def test_the_defaults_are_the_recommended_options() -> None:
+    """``python -m cpkv.demo`` takes the README's default: balanced (by the layer's own cost) and need."""
+    args = demo._parser().parse_args([])
+    assert (args.layout, args.exchange) == ("balanced", "need")
+    assert "contiguous shard" not in " ".join((demo.__doc__ or "").split()) + demo._parser().format_help()
+
+
 def test_bad_flags_exit_with_usage_error() -> None:
     with pytest.raises(SystemExit):
-        demo.main(["--cp", "3", "--tokens", "100"])
+        demo.main(["--cp", "3", "--tokens", "100", "--layout", "contiguous"])
     with pytest.raises(SystemExit):
         demo.main(["--ring-degree", "2", "--exchange", "allgather"])
 

@@ -108,7 +108,7 @@ def test_public_modules_import_without_optional_dependencies() -> None:
 
 @pytest.mark.parametrize(
     "page", ["design.md", "conventions.md", "semantics.md", "troubleshooting.md", "api.md", "backends.md", "guide.md",
-             "integrations.md", "benchmarks.md", "../README.md", "../examples/README.md"]
+             "integrations.md", "benchmarks.md", "mindspeed.md", "../README.md", "../examples/README.md"]
 )
 def test_relative_links_resolve(page: str) -> None:
     path = (DOCS / page).resolve()

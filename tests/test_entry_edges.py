@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention
 from cpkv.v4 import V4Attention, V4Config, reference_forward
@@ -55,7 +56,7 @@ def _runs(world: int) -> list[tuple[list[int], V4Config, str, str]]:
 
 
 def _plan(cu_list: list[int], config: V4Config, layout: str, exchange: str, world: int, rank: int) -> Any:
-    return plan_attention(torch.tensor(cu_list), world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+    return plan_attention(torch.tensor(cu_list), world, rank, layout=layout, cost_model=CostModel(), exchange=exchange,  # type: ignore[arg-type]
                           compress_ratios=[4], windows=[config.window])
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.commstats import count_bytes
 from cpkv.index_keys import round_index_keys, round_index_queries
 from cpkv.launch import spawn
@@ -30,7 +31,7 @@ RUNS = [(layout, exchange) for layout in ("contiguous", "zigzag", "balanced") fo
 
 def _plan(layout: str, exchange: str, world: int, rank: int) -> Any:
     cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
-    return plan_attention(cu, world, rank, layout=layout, exchange=exchange, compress_ratios=[4], windows=[8])  # type: ignore[arg-type]
+    return plan_attention(cu, world, rank, layout=layout, cost_model=CostModel(), exchange=exchange, compress_ratios=[4], windows=[8])  # type: ignore[arg-type]
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": (torch.bfloat16, None), "fp8": (FP8, FP8)}  # (index_key_dtype, index_query_dtype)
 

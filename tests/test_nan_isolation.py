@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config
@@ -27,7 +28,7 @@ MODES = {"window": V4Config(window=8), "dense": V4Config(window=None), "compress
 
 def _plan(world: int, rank: int, config: V4Config, layout: str, exchange: str) -> Any:
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    return plan_attention(seqlens_to_cu_seqlens(LENGTHS), world, rank, layout=layout, exchange=exchange,  # type: ignore[arg-type]
+    return plan_attention(seqlens_to_cu_seqlens(LENGTHS), world, rank, layout=layout, cost_model=CostModel(), exchange=exchange,  # type: ignore[arg-type]
                           compress_ratios=ratios, windows=[config.window])
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cpkv.bench import layouts, memory_report
+from cpkv.bench import layouts, memory_report, mindspeed
 from cpkv.bench.balance import pad_for_zigzag, rank_work
 from cpkv.bench.heads import heads_lines, heads_table
 from cpkv.bench.heads import main as heads_main
@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     :func:`cpkv.bench.memory_report.main`); ``kernels``
     prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
     executed work, launches and host syncs; ``heads`` the kv-heads table; ``planning`` every layout's planning
-    time at 1M tokens.
+    time at 1M tokens; ``mindspeed`` MindSpeed-LLM's all-gather bytes against cpkv's need exchange
+    (:mod:`cpkv.bench.mindspeed`, its section of docs/mindspeed.md).
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["layouts"]:
@@ -428,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         return heads_main(argv[1:])
     if argv[:1] == ["memory"]:
         return memory_report.main(argv[1:])
+    if argv[:1] == ["mindspeed"]:
+        return mindspeed.main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())

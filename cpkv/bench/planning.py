@@ -151,9 +151,10 @@ def layout_planning_times(
     from cpkv.bench.balance import pad_for_zigzag
     from cpkv.bench.traffic import lognormal_cu_seqlens
     from cpkv.plan.balance import balanced_layout
+    from cpkv.plan.cost import CostModel
 
     cu = lognormal_cu_seqlens(tokens, mean_doc, seed=0)
-    options: dict[str, object] = {"compress_ratios": [4, 128], "windows": [128]}
+    options: dict[str, object] = {"compress_ratios": [4, 128], "windows": [128], "cost_model": CostModel()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = []
@@ -161,7 +162,7 @@ def layout_planning_times(
         for cp in cps:
             padded = pad_for_zigzag(cu, cp)[0]
             cases = {"contiguous": (cu, "contiguous"), "zigzag": (padded, "zigzag"), "balanced": (cu, "balanced"),
-                     "custom": (cu, balanced_layout(cu, cp))}
+                     "custom": (cu, balanced_layout(cu, cp, CostModel()))}
             for name, (batch, layout) in cases.items():
                 for exchange in ("allgather", "need"):
                     def run() -> None:

@@ -23,6 +23,7 @@ import torch
 from cpkv.attention import AttentionSpec, attention_forward
 from cpkv.launch import RankError, spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
+from cpkv.plan.cost import CostModel
 from cpkv.v4 import V4Attention, V4Config
 
 __all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "main"]
@@ -89,7 +90,7 @@ def compile_cases(
         ratios = [config.compress_ratio] if config.mode.compresses else []
         plan = plan_attention(
             cu, world, rank, layout=layout, exchange=exchange, ring_degree=ring,  # type: ignore[arg-type]
-            compress_ratios=ratios, windows=[config.window],
+            compress_ratios=ratios, windows=[config.window], cost_model=CostModel.from_v4(config),
         )
         shard = plan.shard
         layer = V4Attention(config, seed=5)

@@ -16,7 +16,8 @@ docs/semantics.md, "A whole causal LM under CP"):
   valid count), so the SUM of the ranks' gradients is the single-process gradient: an
   ``all_reduce(SUM)`` of the gradients over the CP group, as docs/design.md describes.
 * ``"mean"``: the rank's loss is multiplied by the CP size, so the MEAN of the ranks'
-  gradients is the single-process one: what DDP or FSDP over a data x CP mesh compute.
+  gradients is the single-process one: what DDP over a data x CP mesh computes (FSDP2: see
+  docs/integrations.md).
 
 Hugging Face's position-id convention (``DataCollatorWithFlattening``: positions restart at 0
 at every document) converts with :func:`cu_seqlens_from_position_ids`.

@@ -162,13 +162,17 @@ class PackedCPCollator:
 
     Attributes:
         cp_size, cp_rank: the CP group and this rank (the data loader of each rank makes its part).
-        layout, exchange: as in :func:`cpkv.plan_attention` (default ``"balanced"``: any lengths).
-        plan_options: other keyword options of :func:`cpkv.plan_attention`, e.g.
-            :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options` ``(config)``.
+        layout, exchange: as in :func:`cpkv.plan_attention` (default ``"balanced"``: any
+            lengths, and ``"need"``).
+        plan_options: other keyword options of :func:`cpkv.plan_attention`: the model's
+            ``cost_model`` (required by ``layout="balanced"``) and its layers' windows and ratios,
+            e.g. :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options` ``(config)``, or
+            ``{"cost_model": CostModel.from_hf_config(config), "windows": [None]}``.
         ignore_index: the label of tokens without a target.
 
     Raises:
-        TypeError, ValueError: a bad ``cp_size``/``cp_rank``/``layout`` (at construction); what
+        TypeError, ValueError: a bad ``cp_size``/``cp_rank``/``layout``, ``layout="balanced"``
+            without ``plan_options["cost_model"]`` (at construction); what
             :func:`flatten_examples`, :func:`packed_batch` and :func:`cpkv.plan_attention` reject
             (at the call).
     """
@@ -176,7 +180,7 @@ class PackedCPCollator:
     cp_size: int
     cp_rank: int
     layout: Layout = "balanced"
-    exchange: Exchange = "allgather"
+    exchange: Exchange = "need"
     plan_options: Mapping[str, Any] = field(default_factory=dict)
     ignore_index: int = -100
 
@@ -188,6 +192,9 @@ class PackedCPCollator:
             if key in self.plan_options:
                 raise ValueError(f"plan_options must not name {key!r} (a collator plans without a group; layout and"
                                  " exchange are its own fields)")
+        if self.layout == "balanced" and self.plan_options.get("cost_model") is None:
+            raise ValueError("layout='balanced' balances the model's cost: pass plan_options={'cost_model': ...}"
+                             " (deepseek_v4_plan_options(config), or CostModel.from_hf_config(config)), or another layout")
 
     def __call__(self, features: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> PackedCPBatch:
         """This rank's :class:`PackedCPBatch` of the packed examples (CPU tensors)."""

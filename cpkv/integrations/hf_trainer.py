@@ -259,7 +259,9 @@ class CPTrainerMixin(_TrainerBase):
         layout: ``"balanced"`` (default: any lengths, equal modeled cost per rank),
             ``"contiguous"`` (every document padded to a multiple of ``cp``) or ``"zigzag"``
             (every document padded to a multiple of ``2 * cp``).
-        exchange: ``"allgather"`` (default) or ``"need"``, as in :func:`cpkv.plan_attention`.
+        exchange: ``"need"`` (default: only the rows each rank needs) or ``"allgather"``, as in
+            :func:`cpkv.plan_attention`. The model's own cost and windows are planned
+            (:func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`).
         backend: the attention backend, as in :func:`cpkv.attention_forward`.
 
     Attributes:
@@ -279,7 +281,7 @@ class CPTrainerMixin(_TrainerBase):
 
     def __init__(
         self, model: Any = None, args: Any = None, *more: Any, cp: int | ProcessGroup | Any = 1,
-        layout: Layout = "balanced", exchange: Exchange = "allgather", backend: BackendName | AttentionBackend = "auto",
+        layout: Layout = "balanced", exchange: Exchange = "need", backend: BackendName | AttentionBackend = "auto",
         **kwargs: Any,
     ) -> None:
         if layout not in LAYOUTS:

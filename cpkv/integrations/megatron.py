@@ -89,6 +89,10 @@ def plan_from_packed_seq_params(
 ) -> PackedPlan:
     """cpkv's plan for the micro-batch Megatron describes with ``PackedSeqParams``.
 
+    Defaults to zigzag, not the recommended balanced layout: Megatron's data pipeline has
+    already cut the batch in zigzag when this plan is made (pass ``layout="balanced"`` when
+    you shard the whole batch yourself with ``packed.plan.shard``).
+
     The plan is over ``cu_seqlens_q_padded`` if set, else over ``cu_seqlens_q``. At
     ``cp_size > 1`` the default layout is Megatron's: per-document zigzag (rank ``r`` holds
     chunks ``r`` and ``2cp-1-r`` of every document, in document order), so every planned
@@ -113,7 +117,8 @@ def plan_from_packed_seq_params(
         cp_size, cp_rank: CP group size and this rank.
         layout: ``None`` (default): ``"zigzag"`` at ``cp_size > 1`` (padded or not, as Megatron),
             ``"contiguous"`` at ``cp_size == 1``; or ``"zigzag"`` / ``"contiguous"`` explicitly, or
-            ``"balanced"`` (any lengths; shard the batch with ``packed.plan.shard``).
+            ``"balanced"`` (any lengths; shard the batch with ``packed.plan.shard``; needs
+            ``config`` or a ``cost_model``).
         config: the model's Megatron ``TransformerConfig``: its cost
             (:meth:`cpkv.CostModel.from_megatron`, with ``vocab_size``) is the plan's
             ``cost_model`` (what ``"balanced"`` balances, ``plan.rank_costs``) unless
@@ -130,8 +135,9 @@ def plan_from_packed_seq_params(
     Raises:
         TypeError: a missing attribute, a non-tensor or non-integer cu_seqlens (the field is named);
             a ``padding=`` plan option (the padded cu_seqlens give it).
-        ValueError: ``qkv_format != "thd"``; ``layout`` not ``None``, ``"zigzag"`` or
-            ``"contiguous"``; a cu_seqlens field that is not leading-zero, non-decreasing and
+        ValueError: ``qkv_format != "thd"``; ``layout`` not ``None``, ``"zigzag"``,
+            ``"contiguous"`` or ``"balanced"``; ``"balanced"`` with neither ``config`` nor a
+            ``cost_model`` (the message names ``cost_model``); a cu_seqlens field that is not leading-zero, non-decreasing and
             1-D; kv cu_seqlens differing from the query ones; a padded document shorter than
             its real length; with the zigzag layout, a planned document length that is not a
             multiple of ``2 * cp_size`` (the message names ``params.cu_seqlens_q`` or

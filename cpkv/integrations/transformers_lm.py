@@ -287,8 +287,8 @@ def _cu_seqlens(input_ids: Tensor, cu_seqlens: Tensor | None, position_ids: Tens
 
 def deepseek_v4_causal_lm_loss(
     model: Any, input_ids: Tensor, group: Group, *, cu_seqlens: Tensor | None = None,
-    position_ids: Tensor | None = None, labels: Tensor | None = None, layout: Layout = "contiguous",
-    exchange: Exchange = "allgather", grad_reduction: GradReduction = "sum",
+    position_ids: Tensor | None = None, labels: Tensor | None = None, layout: Layout = "balanced",
+    exchange: Exchange = "need", grad_reduction: GradReduction = "sum",
     num_items_in_batch: int | Tensor | None = None, ignore_index: int = -100, indexer_loss: bool = False,
     grad_scale: float = 1.0, backend: BackendName | AttentionBackend = "auto", check_ranks: bool = True,
     padding: Tensor | None = None, plan: AttentionPlan | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -313,8 +313,8 @@ def deepseek_v4_causal_lm_loss(
     added (``output_router_logits=False``; DeepSeek-V4 balances experts without it).
 
     Args:
-        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP /
-            FSDP / ``torch.compile`` wrapper of one).
+        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP or
+            ``torch.compile`` wrapper of one; FSDP2: see docs/integrations.md).
         input_ids: ``[T]`` or ``[1, T]`` the whole packed batch, on the model's device.
         group: the CP group (``None``: the default group).
         cu_seqlens: ``[B + 1]`` leading-zero document boundaries; or
@@ -323,11 +323,14 @@ def deepseek_v4_causal_lm_loss(
             positions used are the plan's, the same for well-formed ids).
         labels: ``[T]`` / ``[1, T]`` unshifted labels (Hugging Face's convention, ``ignore_index``
             where a token is no target); default ``input_ids``.
-        layout, exchange: as in :func:`cpkv.plan_attention`. Zigzag needs every document
+        layout, exchange: as in :func:`cpkv.plan_attention` (default ``"balanced"`` by the
+            model's own cost and ``"need"`` with its windows, from
+            :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`). Zigzag needs every document
             length to be a multiple of ``2 * cp``: pad with :func:`cpkv.pad_documents` and
             pass its ``padding`` (below).
         grad_reduction: ``"sum"`` if you all-reduce (SUM) the gradients over the CP group,
-            ``"mean"`` if DDP / FSDP averages them (over a data x CP mesh): the loss and the
+            ``"mean"`` if DDP averages them (over a data x CP mesh; FSDP2: see
+            docs/integrations.md): the loss and the
             indexer's ``grad_scale`` are then multiplied by the CP size.
         num_items_in_batch: the loss normaliser when it spans several micro-batches (default:
             this batch's valid labels over the group).

@@ -299,6 +299,9 @@ def plan_attention(
 ) -> AttentionPlan:
     """Pure per-rank plan of one micro-batch (no communication; identical structure on every rank).
 
+    Defaults to ``layout="contiguous", exchange="allgather"``, not the recommended balanced +
+    need: the planner sees no model, so it knows neither the cost to balance nor the layers' windows.
+
     Args:
         cu_seqlens: ``[B + 1]`` int32/int64 **global** leading-zero cu_seqlens of the micro-batch
             (all ranks' tokens, padding included), any device; the plan's tensors live there.
@@ -348,9 +351,10 @@ def plan_attention(
             attended like any other (causality keeps them out of real tokens' outputs; mask
             their loss), but they do not count in the indexer loss: ``plan.valid_queries``
             marks the real local rows and ``plan.num_global_queries`` counts real tokens only.
-        cost_model: the :class:`~cpkv.plan.cost.CostModel` of the model (default: the whole
-            DeepSeek-V4-Flash model): ``layout="balanced"`` balances it; every layout reports it
-            per rank (``plan.rank_costs``, with ``plan.local_lens``).
+        cost_model: the :class:`~cpkv.plan.cost.CostModel` of the model: ``layout="balanced"``
+            balances it and requires it (a model's cost is never guessed); every layout reports
+            it per rank (``plan.rank_costs``, with ``plan.local_lens``; without one the other
+            layouts report DeepSeek-V4-Flash's, :class:`CostModel` ``()``).
         max_tokens_ratio: ``layout="balanced"``: the cap on a rank's tokens in units of ``T / cp``
             (default 1.10; ``None``: no cap); ignored by the other layouts.
         fingerprint: with ``group`` and ``check_ranks``: ``[n]`` int64 values every rank must
@@ -364,7 +368,8 @@ def plan_attention(
     Raises:
         TypeError, ValueError: invalid ``cu_seqlens``, ``T % cp_size != 0`` (contiguous, zigzag),
             rank out of range, an unknown layout or exchange, a ``ShardLayout`` made for other
-            ``cu_seqlens`` or ``cp_size``, ``cost_model`` not a ``CostModel``, ``max_tokens_ratio < 1``, ``ring_degree > 1``
+            ``cu_seqlens`` or ``cp_size``, ``cost_model`` not a ``CostModel`` (or ``None`` with
+            ``layout="balanced"``), ``max_tokens_ratio < 1``, ``ring_degree > 1``
             without ``exchange="need"``, a zigzag document
             length not divisible by ``2 * cp_size`` (the first one is named), ``compress_ratios``
             or ``windows`` not a sequence, ``prev_blocks`` not a mapping or naming an unplanned
@@ -438,6 +443,12 @@ def _build_plan(
     real_lengths = None if padding is None else document_real_lengths(cu_seqlens, padding)
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
+    if cost_model is None and layout == "balanced":
+        raise ValueError(
+            "layout='balanced' needs the model's cost: pass cost_model=CostModel.from_hf_config(config) (Llama, Qwen,"
+            " DeepSeek-V3), .from_deepseek_v4(config), .from_megatron(config) or .from_v4(configs); the integrations"
+            " pass it (deepseek_v4_plan_options(config), plan_from_packed_seq_params(..., config=))"
+        )
     model = CostModel() if cost_model is None else cost_model
     shards = shard_layout(cu_seqlens, cp_size, layout, model, max_tokens_ratio)
     name: LayoutName = "custom" if isinstance(layout, ShardLayout) else layout

@@ -24,8 +24,10 @@ A CP step is as slow as its busiest rank, and a rank's time is all the work of i
 The default :class:`CostModel` ``()`` is the whole DeepSeek-V4-Flash model (transformers'
 ``DeepseekV4Config()``): about 13.26 G forward MACs of dense work per token, 1.46 G of attention
 at position 8K and 56 G at 1M. Build one for your model with :meth:`CostModel.from_deepseek_v4`
-(a transformers ``DeepseekV4Config``), :meth:`CostModel.from_v4` (:class:`cpkv.v4.V4Config`
+(a transformers ``DeepseekV4Config``), :meth:`CostModel.from_hf_config` (a transformers Llama,
+Qwen2/3, Qwen-MoE or DeepSeek-V3 config), :meth:`CostModel.from_v4` (:class:`cpkv.v4.V4Config`
 layers) or :meth:`CostModel.from_megatron` (a Megatron ``TransformerConfig``).
+``plan_attention(layout="balanced")`` requires one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import torch
 from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_tensor
+from cpkv.plan.cost_hf import hf_attention_shape, hf_dense_terms
+from cpkv.plan.projection_macs import gqa_projection_macs, mla_projection_macs
 
 __all__ = ["CostModel", "DenseTerms", "deepseek_v4_dense_terms", "megatron_dense_terms", "v4_layer_dense_terms"]
 
@@ -141,15 +145,11 @@ def megatron_dense_terms(config: Any, vocab_size: int = 0) -> DenseTerms:
     check_int("vocab_size", vocab_size, minimum=0)
     h, heads, layers = int(config.hidden_size), int(config.num_attention_heads), int(config.num_layers)
     if getattr(config, "multi_latent_attention", False):
-        qk, pe, dv, kv_lora = (int(config.qk_head_dim), int(config.qk_pos_emb_head_dim), int(config.v_head_dim),
-                               int(config.kv_lora_rank))
         q_lora = getattr(config, "q_lora_rank", None)
-        q = h * heads * (qk + pe) if q_lora is None else h * int(q_lora) + int(q_lora) * heads * (qk + pe)
-        projections = q + h * (kv_lora + pe) + kv_lora * heads * (qk + dv) + heads * dv * h
+        projections = mla_projection_macs(h, heads, int(config.qk_head_dim), int(config.qk_pos_emb_head_dim),
+                                          int(config.v_head_dim), int(config.kv_lora_rank), None if q_lora is None else int(q_lora))
     else:
-        d = int(config.kv_channels or h // heads)
-        groups = int(config.num_query_groups or heads)
-        projections = h * (heads * d + 2 * groups * d) + heads * d * h
+        projections = gqa_projection_macs(h, heads, int(config.kv_channels or h // heads), int(config.num_query_groups or heads))
     c = 3 if getattr(config, "gated_linear_unit", False) else 2
     moe = _moe_layers(config)
     num_moe = sum(moe)
@@ -322,6 +322,37 @@ class CostModel:
             hca_ratio=min(ratios["hca"], default=128), swa_layers=counts["swa"], csa_layers=counts["csa"],
             hca_layers=counts["hca"], causal_layers=counts["causal"], dense=tuple(terms.items()), backward=backward,
             attention_backward=attention_backward,
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, backward: float = 2.0, attention_backward: float = 2.5) -> CostModel:
+        """The whole model of a Hugging Face decoder config: dense or MoE, GQA or MLA attention.
+
+        Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE (GQA: ``num_key_value_heads``,
+        ``head_dim``) and DeepSeek-V3 (MLA: ``kv_lora_rank``, ``q_lora_rank``,
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) configs, or any object with
+        their fields (:func:`cpkv.plan.cost_hf.hf_dense_terms`,
+        :func:`cpkv.plan.cost_hf.hf_attention_shape`). Sliding layers (``layer_types``,
+        ``sliding_window``) attend ``min(W, p + 1)`` keys, the others ``p + 1``. A
+        ``DeepseekV4Config`` takes :meth:`from_deepseek_v4`.
+
+        Raises:
+            ValueError: a ``DeepseekV4Config`` (it has compressed layers: use :meth:`from_deepseek_v4`).
+
+        Example:
+            >>> from transformers import LlamaConfig
+            >>> model = CostModel.from_hf_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            ...                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+            >>> model.causal_layers, model.key_cost, model.dense_macs
+            (2, 128, 80128)
+        """
+        if hasattr(config, "compress_rates"):
+            raise ValueError("config is a DeepseekV4Config (compressed layers): use CostModel.from_deepseek_v4(config)")
+        shape = hf_attention_shape(config)
+        return cls(
+            heads=shape.heads, head_dim=shape.key_dim, value_dim=shape.value_dim, window=shape.window,
+            swa_layers=shape.windowed_layers, csa_layers=0, hca_layers=0, causal_layers=shape.causal_layers,
+            dense=hf_dense_terms(config), backward=backward, attention_backward=attention_backward,
         )
 
     @classmethod

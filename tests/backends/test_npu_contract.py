@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 import cpkv.backends.npu as npu_module
+from cpkv.plan.cost import CostModel
 from cpkv import plan_attention
 from cpkv.backends import ReferenceBackend, reference
 from cpkv.backends.base import AttentionBackend, KeyRanges
@@ -249,7 +250,7 @@ def _run_case(rank: int, world: int, name: str, kind: str, layout: str, exchange
     grad_out = torch.randn(int(cu[-1]), config.hidden, generator=gen, dtype=torch.float64)
     layer = V4Attention(config, seed=7).double()
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    plan = plan_attention(cu, world, rank, layout=layout, exchange=exchange, compress_ratios=ratios,  # type: ignore[arg-type]
+    plan = plan_attention(cu, world, rank, layout=layout, cost_model=CostModel(), exchange=exchange, compress_ratios=ratios,  # type: ignore[arg-type]
                           windows=[config.window])
     stand_in, cann = StandInTorchNPU(), StandInCannOps()
     x_local = plan.shard(x).clone().requires_grad_(True)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.backends.cuda import CUDABackend
 from cpkv.launch import spawn
 from cpkv.plan import AttentionPlan, plan_attention, seqlens_to_cu_seqlens
@@ -72,7 +73,7 @@ def triton_cases(rank: int, world: int) -> dict[str, Any]:
 def _plan(layout: str, config: V4Config, world: int, rank: int, exchange: str = "allgather") -> AttentionPlan:
     cu = seqlens_to_cu_seqlens(ZIGZAG_LENGTHS if layout == "zigzag" else LENGTHS)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    return plan_attention(cu, world, rank, layout=layout, exchange=exchange, compress_ratios=ratios,  # type: ignore[arg-type]
+    return plan_attention(cu, world, rank, layout=layout, cost_model=CostModel(), exchange=exchange, compress_ratios=ratios,  # type: ignore[arg-type]
                           windows=[config.window])
 
 

@@ -84,12 +84,22 @@ class Recording:
         self.micro_losses = [*getattr(self, "micro_losses", []), float(total) / self.args.world_size]  # type: ignore[attr-defined]
         return loss
 
+    def cp_loss(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """CPTrainerMixin's call, recording each plan's layout, exchange and whether its cost is the model's."""
+        from cpkv.plan.cost import CostModel
+
+        out = super().cp_loss(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        own = out.plan.cost_model == CostModel.from_deepseek_v4(self.model.config)  # type: ignore[attr-defined]
+        self.planned = {*getattr(self, "planned", set()), (out.plan.layout, out.plan.exchange, own)}
+        return out
+
 
 def _result(trainer: Any) -> dict[str, Any]:
     micro = trainer.micro_losses
     return {"losses": [a + b for a, b in zip(micro[::2], micro[1::2])], "micro": micro,
             "logged": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
-            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+            "planned": getattr(trainer, "planned", set())}
 
 
 # --- the CP side, on every rank --------------------------------------------------------------
@@ -143,7 +153,7 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     results["overlapping"] = hf_oracle.outcome(lambda: data_cp_mesh(overlapping[rank == world - 1]))
     saving = dict(save_strategy="steps", save_steps=2)
     run = os.path.join(tmp, "dp2cp2")
-    results["dp2cp2"] = _train(_cp_trainer(run, 2, docs, 2, trainer_options={"exchange": "need"}, **saving))
+    results["dp2cp2"] = _train(_cp_trainer(run, 2, docs, 2, **saving))  # the defaults: balanced, need
     results["checkpoint"] = os.path.join(run, "checkpoint-4")
     resumed = _cp_trainer(os.path.join(tmp, "resumed"), 2, docs, 2, trainer_options={"exchange": "need"}, **saving)
     results["resumed"] = _train(resumed, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
@@ -234,6 +244,8 @@ def _check(got: dict[str, Any], want: dict[str, Any]) -> None:
 def test_cp_trainer_equals_one_process(four_ranks: list[dict[str, Any]], one_process: dict[str, Any], run: str) -> None:
     """dp 2 x cp 2 (balanced, need) and dp 1 x cp 4 (zigzag): every step's loss and every final parameter."""
     _check(four_ranks[0][run], one_process)
+    if run == "dp2cp2":  # the trainer's defaults: balanced by the model's own cost, need exchange
+        assert four_ranks[0][run]["planned"] == {("balanced", "need", True)}
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""examples/megatron_core_attention_cp.py runs (2 gloo ranks and one process, ~20 s) and its cp 2 losses equal cp 1's.
+"""examples/megatron_core_attention_cp.py runs (2 gloo ranks and one process) and its cp 2 losses equal cp 1's.
 
 The example itself exits 1 when any step's loss at cp 2 differs from cp 1 by more than
 1e-12 (float64 losses of order 1, sums of a few thousand terms in other orders: rounding

@@ -191,8 +191,11 @@ def _sum_case(model: Any, group: Any, batch: dict[str, Any], *, wrapper: Any = N
     out = _run(model if wrapper is None else wrapper, batch, group, **options)
     out.loss.backward()
     grads, missing = _reduced_grads(model, group, reduce=True)
+    from cpkv.plan.cost import CostModel
+
+    planned = (out.plan.layout, out.plan.exchange, out.plan.cost_model == CostModel.from_deepseek_v4(model.config))
     return {"loss": _sum_all(out.loss, group), "lm_loss": float(out.lm_loss), "grads": grads, "missing": missing,
-            "num_tokens": int(out.num_tokens), "state": _holds_state(model),
+            "num_tokens": int(out.num_tokens), "state": _holds_state(model), "planned": planned,
             "logits": None if out.logits is None else (tuple(out.logits.shape), out.logits.requires_grad)}
 
 
@@ -203,7 +206,7 @@ def _ddp_case(model: Any, group: Any, batch: dict[str, Any]) -> dict[str, Any]:
     ddp = DistributedDataParallel(model, process_group=group, find_unused_parameters=False)
     for _ in range(2):  # the reducer raises in the second forward if a parameter had no gradient in the first
         model.zero_grad(set_to_none=True)
-        out = _run(ddp, batch, group, exchange="need", grad_reduction="mean", indexer_loss=True)
+        out = _run(ddp, batch, group, layout="contiguous", exchange="need", grad_reduction="mean", indexer_loss=True)
         out.loss.backward()
     grads, missing = _reduced_grads(model, group, reduce=False)  # DDP averaged them already
     routes = out.plan.compressed[16]
@@ -219,7 +222,8 @@ def _checkpoint_case(model: Any, group: Any, first: dict[str, Any], second: dict
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    outs = [_run(model, first, group, indexer_loss=True), _run(model, second, group, exchange="need", indexer_loss=True)]
+    outs = [_run(model, first, group, layout="contiguous", exchange="allgather", indexer_loss=True),
+            _run(model, second, group, layout="contiguous", exchange="need", indexer_loss=True)]
     (outs[0].loss + outs[1].loss).backward()
     grads, missing = _reduced_grads(model, group, reduce=True)
     return {"loss": _sum_all(outs[0].loss + outs[1].loss, group), "grads": grads, "missing": missing,
@@ -228,7 +232,7 @@ def _checkpoint_case(model: Any, group: Any, first: dict[str, Any], second: dict
 
 def _not_enabled(model: Any, group: Any, batch: dict[str, Any]) -> str:
     try:
-        _run(model, batch, group)
+        _run(model, batch, group, layout="contiguous", exchange="allgather")
     except ValueError as error:
         return str(error)
     return "no error"
@@ -254,20 +258,21 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
             layer.self_attn.compile(backend="aot_eager")  # the whole model: test_whole_model_compiles
         with hf_oracle.lifted(), _no_mask():
             cases = {
-                "contiguous/allgather": _sum_case(models[0], group, batches["main"], return_logits=True),
-                "contiguous/need": _sum_case(models[1], group, batches["main"], exchange="need", source="position_ids"),
-                "zigzag/allgather": _sum_case(models[2], group, batches["zigzag"], layout="zigzag"),
+                "contiguous/allgather": _sum_case(models[0], group, batches["main"], layout="contiguous", exchange="allgather",
+                                                  return_logits=True),
+                "contiguous/need": _sum_case(models[1], group, batches["main"], layout="contiguous", exchange="need",
+                                             source="position_ids"),
+                "zigzag/allgather": _sum_case(models[2], group, batches["zigzag"], layout="zigzag", exchange="allgather"),
                 "zigzag/need": _sum_case(models[5], group, batches["zigzag"], layout="zigzag", exchange="need"),
-                "balanced/allgather": _sum_case(models[6], group, batches["main"], layout="balanced"),
-                "balanced/need": _sum_case(models[7], group, batches["main"], layout="balanced", exchange="need",
-                                           source="position_ids"),
+                "balanced/allgather": _sum_case(models[6], group, batches["main"], layout="balanced", exchange="allgather"),
+                "balanced/need": _sum_case(models[7], group, batches["main"], source="position_ids"),  # the defaults
                 "ddp": _ddp_case(models[3], group, batches["main"]),
                 "checkpoint": _checkpoint_case(models[4], group, batches["main"], batches["other"]),
             }
             if cp == 1:
                 cases["not_enabled"] = _not_enabled(plain, group, batches["main"])
             if compiled is not None:
-                cases["compiled"] = _sum_case(compiled, group, batches["main"], exchange="need")
+                cases["compiled"] = _sum_case(compiled, group, batches["main"], layout="contiguous", exchange="need")
             hca = [0] * cp
             dist.all_gather_object(hca, cases["ddp"]["hca_blocks"], group=group)
             cases["ddp"]["hca_blocks"] = hca
@@ -439,6 +444,7 @@ def test_loss_and_gradients_match_hf_per_document(cp_run: tuple[int, dict[str, A
     assert got["state"] == []
     # The logits only when asked (contiguous/allgather asks): this rank's [T/cp, V], the head's differentiable output.
     assert got["logits"] == (((sum(LENGTHS) // _cp, VOCAB), True) if case == "contiguous/allgather" else None)
+    assert got["planned"] == (*case.split("/"), True)  # "balanced/need" is the call's defaults, by the model's own cost
 
 
 def test_mean_reduction_under_ddp(cp_run: tuple[int, dict[str, Any]], cp_runs: dict[int, dict[str, Any]]) -> None:

@@ -125,3 +125,24 @@ def test_zigzag_tnd_plan_reads_each_chunk_prefix(cp: int) -> None:
             rows = kv_natural[cu_kv[b] : cu_kv[b + 1]].tolist()
             assert rows == list(range(int(starts[b]), int(starts[b]) + len(rows)))
         assert plan.num_global_queries == 72
+
+
+def test_compressed_cu_seqlens_come_from_the_kv_of_a_document_crossing_ranks() -> None:
+    """Rank 1 of [10, 6] at cp 2 holds 2 queries of document 0, whose kv prefix holds 10 tokens: 2 entries of
+    ratio 4 (MindSpeed-LLM's TND wrapper derives them from the 2 query tokens: none; docs/mindspeed.md)."""
+    plan = plan_attention(torch.tensor([0, 10, 16]), 2, 1, compress_ratios=[4])
+    assert plan.segments.cu_seqlens_q.tolist() == [0, 2, 8] and plan.segments.cu_seqlens_kv.tolist() == [0, 10, 16]
+    assert plan.segments.visible[0].cu_seqlens.tolist() == [0, 10 // 4, 10 // 4 + 6 // 4]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_positions_continue_across_rank_boundaries(layout: str) -> None:
+    """Every rank's RoPE positions, put back in packed order, are each document's 0..n-1: no position repeats
+    across a CP boundary (cp 3; MindSpeed-LLM's SP x CP offset repeats them, docs/mindspeed.md)."""
+    from cpkv.plan.cost import CostModel
+
+    lengths = [7, 0, 20, 3, 6]
+    cu = seqlens_to_cu_seqlens(lengths)
+    plans = [plan_attention(cu, 3, r, layout=layout, cost_model=CostModel()) for r in range(3)]  # type: ignore[arg-type]
+    positions = plans[0].unshard([p.q_positions for p in plans])
+    assert positions.tolist() == [i for n in lengths for i in range(n)]

@@ -131,7 +131,7 @@ def _docs(seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 def test_plans_made_in_a_data_loader_worker_equal_plans_made_here() -> None:
-    options = {"compress_ratios": [4, 16], "windows": [8, None]}
+    options = {"compress_ratios": [4, 16], "windows": [8, None], "cost_model": CostModel()}
     collate = PackedCPCollator(4, 3, layout="balanced", exchange="need", plan_options=options)
     loader = DataLoader([_docs(s) for s in range(3)], batch_size=None, collate_fn=collate, num_workers=1)
     for seed, batch in enumerate(loader):
@@ -158,7 +158,12 @@ def test_the_collator_takes_a_packed_row_and_checks_it() -> None:
     assert torch.equal(batch.input_ids, plan.shard(ids[0]))
     assert torch.equal(batch.labels, plan.shard(shift_labels(ids[0], torch.tensor([0, 3, 10]))))
     with pytest.raises(ValueError, match="position_ids"):
-        PackedCPCollator(2, 0)({"input_ids": ids, "position_ids": positions[:, :5]})
+        PackedCPCollator(2, 0, layout="contiguous")({"input_ids": ids, "position_ids": positions[:, :5]})
+    with pytest.raises(ValueError, match="cost_model"):  # balanced, the default, never guesses the model's cost
+        PackedCPCollator(2, 0)
+    model = CostModel(dense=(("x", 10),))
+    planned = PackedCPCollator(2, 0, plan_options={"cost_model": model, "windows": [4]})({"input_ids": ids, "position_ids": positions}).plan
+    assert (planned.layout, planned.exchange, planned.cost_model) == ("balanced", "need", model)  # the defaults
     with pytest.raises(ValueError, match="plan_options"):
         PackedCPCollator(2, 0, plan_options={"layout": "zigzag"})
     with pytest.raises(ValueError, match="cp_rank"):

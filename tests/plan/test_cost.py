@@ -201,3 +201,74 @@ def test_megatron_mla_and_moe_terms_match_hf_deepseek_v3() -> None:
     modeled = dict(megatron_dense_terms(megatron, vocab_size=64))
     assert all(v > 0 for v in counted.values()), counted
     assert {k: 2 * T * v for k, v in modeled.items()} == counted
+
+
+def _hf_case(name: str) -> Any:
+    """A tiny transformers config of each family ``CostModel.from_hf_config`` reads (no download)."""
+    transformers = pytest.importorskip("transformers")
+    base: dict[str, Any] = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                num_attention_heads=4)
+    moe: dict[str, Any] = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**base, num_key_value_heads=2, head_dim=12),
+        "qwen2-sliding": lambda: transformers.Qwen2Config(**base, num_key_value_heads=2, use_sliding_window=True,
+                                                          sliding_window=5, max_window_layers=1),
+        "qwen3": lambda: transformers.Qwen3Config(**base, num_key_value_heads=1, head_dim=8),
+        "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**base, **moe, num_key_value_heads=2, shared_expert_intermediate_size=24,
+                                                         decoder_sparse_step=2),
+        "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**base, **moe, num_key_value_heads=2, mlp_only_layers=[0]),
+        "deepseek-v3": lambda: transformers.DeepseekV3Config(
+            **base, moe_intermediate_size=16, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    }
+    return configs[name]()
+
+
+HF_TERMS = {  # module-name suffixes of each dense term, per family (transformers' module names)
+    "attention projections": (".q_proj", ".k_proj", ".v_proj", ".o_proj", ".q_a_proj", ".q_b_proj",
+                              ".kv_a_proj_with_mqa", ".kv_b_proj"),
+    "mlp": (".mlp.gate_proj", ".mlp.up_proj", ".mlp.down_proj"),
+    "routed experts": (".mlp.experts",),
+    "shared experts": (".mlp.shared_experts", ".mlp.shared_expert", ".mlp.shared_expert_gate"),
+    "router": (".mlp.gate",),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-sliding", "qwen3", "qwen2-moe", "qwen3-moe", "deepseek-v3"])
+def test_hf_config_terms_match_the_flop_counter(name: str) -> None:
+    """``CostModel.from_hf_config``'s dense terms equal the FLOP counter's count of each term's modules (exact
+    integers), its attention shape equals the config's, and the attention cores (eager ``T x T`` products) are
+    all the counter saw besides the terms (the head's and every other matmul accounted for)."""
+    transformers = pytest.importorskip("transformers")
+    config = _hf_case(name)
+    config._attn_implementation, config._experts_implementation = "eager", "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (1, T)), use_cache=False)
+    root = type(model).__name__
+    counts = counter.get_flop_counts()
+    counted = {term: _module_flops(counter, f"{root}.model.layers.", suffixes) for term, suffixes in HF_TERMS.items()}
+    counted["head"] = _module_flops(counter, f"{root}.lm_head", ("lm_head",))
+    cost = CostModel.from_hf_config(config)
+    assert {k: 2 * T * v for k, v in cost.dense} == counted
+    assert counted["attention projections"] > 0 and counted["head"] > 0
+    moe = name.endswith("moe") or name == "deepseek-v3"
+    assert (counted["routed experts"] > 0) == moe and counted["mlp"] > 0  # every family has a dense layer here
+    # Every layer's eager attention: scores and values over all T keys (the mask is applied after the product).
+    cores = cost.attention_layers * 2 * cost.heads * T * T * (cost.head_dim + cost.value_dim)
+    rotary = sum(v for k, ops in counts.items() if k.endswith("rotary_emb") for v in ops.values())
+    assert sum(counts["Global"].values()) - rotary == sum(counted.values()) + cores
+    windowed = {"qwen2-sliding": (2, 1, 5)}.get(name, (0, 3, 1))
+    assert (cost.swa_layers, cost.causal_layers, cost.window) == windowed
+    dims = {"llama": (12, 12), "qwen3": (8, 8), "deepseek-v3": (12, 6)}.get(name, (8, 8))
+    assert (cost.heads, cost.head_dim, cost.value_dim) == (4, *dims)
+    assert cost.csa_layers == cost.hca_layers == 0
+
+
+def test_hf_config_refuses_a_deepseek_v4_config() -> None:
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="from_deepseek_v4"):
+        CostModel.from_hf_config(transformers.DeepseekV4Config())

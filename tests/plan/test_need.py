@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from cpkv.plan.cost import CostModel
 from cpkv.plan import AttentionPlan, Routes, ShardLayout, layout_from_ranges, plan_attention, seqlens_to_cu_seqlens
 
 
@@ -57,7 +58,7 @@ def test_need_buffers_hold_what_every_query_reads(seed: int) -> None:
         ratio, prev = rng.choice([2, 3, 4]), rng.choice([0, 1, 2])
         ring = rng.choice([1, 2, 3])
         plans = [
-            plan_attention(cu_t, cp, r, layout=layout, exchange="need", windows=windows, compress_ratios=[ratio],
+            plan_attention(cu_t, cp, r, layout=layout, cost_model=CostModel(), exchange="need", windows=windows, compress_ratios=[ratio],
                            prev_blocks={ratio: prev}, ring_degree=ring)
             for r in range(cp)
         ]
@@ -143,7 +144,7 @@ def test_contiguous_and_zigzag_are_shard_layouts() -> None:
     contiguous = plan_attention(cu, 2, 0).shards
     assert contiguous is not None and contiguous.local_lens == (16, 16)
     x = torch.arange(32) * 10
-    for plan in (plan_attention(cu, 2, r, layout=lay) for lay in ("contiguous", "zigzag", "balanced") for r in (0, 1)):
+    for plan in (plan_attention(cu, 2, r, layout=lay, cost_model=CostModel()) for lay in ("contiguous", "zigzag", "balanced") for r in (0, 1)):
         parts = [plan.layout_ranges.shard(x, r) for r in range(2)]
         assert torch.equal(plan.unshard(parts), x)
 

@@ -132,3 +132,14 @@ def test_plan_keeps_device_and_is_frozen() -> None:
     assert plan.cu_seqlens_q.device == torch.device("cpu")
     with pytest.raises(AttributeError):
         plan.kv_start = 3  # type: ignore[misc]
+
+
+def test_a_rank_holding_no_document_gets_an_empty_prefix() -> None:
+    """MindSpeed-LLM gives such a rank ``cu_kv = [0]`` and the whole gathered kv (docs/mindspeed.md); cpkv an empty
+    slice, and a local range past the batch's last token raises instead of planning it as no document."""
+    cu = torch.tensor([0, 5, 12])
+    kv = torch.randn(12, 3)
+    plan = compute_prefix_kv_cu_seqlens(cu, 12, 0)  # the rank's range holds no token of any document
+    assert plan.cu_seqlens_kv.tolist() == [0] and rearrange_prefix_kv(kv, plan).shape == (0, 3)
+    with pytest.raises(ValueError, match="goes past the last packed token"):
+        compute_prefix_kv_cu_seqlens(cu, 12, 4)  # padding after the last document: declare it (pad_documents)
