@@ -574,7 +574,7 @@ def _check_heads(q: Tensor, kv: Tensor, v: Tensor | None, spec: AttentionSpec) -
     if kv.ndim == 3 and heads % kv.shape[1]:
         raise ValueError(f"kv has {kv.shape[1]} heads, which must divide q's {heads} heads (H % H_kv == 0), got shape {tuple(kv.shape)}")
     if kv.shape[-1] != dim:
-        raise ValueError(f"kv must be {form} with D = q's {dim}, got {tuple(kv.shape)}")
+        raise ValueError(f"q's head dim D must be kv's ({form} = {tuple(kv.shape)}): got q {tuple(q.shape)}")
     if v is None:
         return
     if tuple(v.shape) != (kv.shape[0], kv.shape[1], spec.d_v):
