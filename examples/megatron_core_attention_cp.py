@@ -13,8 +13,9 @@ attention. Each rank runs Megatron's THD recipe:
    (``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded);
 3. take the rank's per-document zigzag shard (chunks ``r`` and ``2cp-1-r``), plan it once
    (``plan_from_packed_seq_params``) and hand the plan to every layer inside the
-   micro-batch's ``packed_seq_params`` (``with_plan``);
-4. normalise the loss by the global count of labelled tokens, sum the gradients over the CP
+   micro-batch's ``packed_seq_params`` (``with_plan``, with the step's ``StepStatus``);
+4. normalise the loss by the global count of labelled tokens, check the step's status (a
+   layer call that failed on any rank raises on every rank), sum the gradients over the CP
    group (a wrapper that *averages* over CP ranks needs the loss multiplied by cp), step.
 
 It runs 3 SGD steps at cp 2 (2 gloo ranks, padded) and at cp 1 (one process, the unpadded

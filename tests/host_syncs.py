@@ -16,6 +16,11 @@ engine carries into the backward):
   ``output_size``;
 * copies from a device to the host (``_to_copy`` / ``copy_`` from a non-CPU tensor into a CPU one).
 
+Ops named in ``kernels`` (``"namespace::name"``) count as device kernels: nothing inside them
+is counted (the reference backend's primitives loop over blocks on the host; on a device the
+CUDA backend's Triton kernels stand in their place). Inside ``torch.library`` custom ops the
+dispatch mode is off, so only the Python-level reads above are seen there.
+
 Not counted: collectives (``all_reduce`` and friends are queued like kernels on NCCL/HCCL),
 host-side arithmetic on plan data that is already on the host, and shape reads (shapes are
 host metadata). On the CPU every tensor lives on the host, so this counts what *would* be a
@@ -27,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -40,9 +45,10 @@ _SHAPE_OPS = {"nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked
 class HostSyncs(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """A dispatch mode that counts host syncs by kind (:attr:`counts`); see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: Collection[str] = ()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.counts: Counter[str] = Counter()
+        self.kernels = frozenset(kernels)
         self._inside = threading.local()
 
     @property
@@ -64,6 +70,12 @@ class HostSyncs(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if f"{func.namespace}::{name}" in self.kernels:  # a kernel: what it does inside is the device's
+            self._inside.depth = getattr(self._inside, "depth", 0) + 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._inside.depth -= 1
         if name == "_local_scalar_dense" and getattr(self._inside, "depth", 0) == 0:
             self.counts["_local_scalar_dense"] += 1
         elif name in _SHAPE_OPS:
@@ -88,15 +100,17 @@ def _device_to_host(name: str, args: Any, kwargs: Any) -> bool:
 
 
 @contextlib.contextmanager
-def count_host_syncs() -> Iterator[HostSyncs]:
+def count_host_syncs(kernels: Collection[str] = ()) -> Iterator[HostSyncs]:
     """Count the host syncs of the code inside the block (forward and backward); see :class:`HostSyncs`.
+
+    Methods bound before the block (``read = t.item``) escape the count.
 
     Example:
         >>> with count_host_syncs() as syncs:  # doctest: +SKIP
         ...     loss = f(x); loss.backward()
         >>> syncs.total, dict(syncs.counts)  # doctest: +SKIP
     """
-    mode = HostSyncs()
+    mode = HostSyncs(kernels)
     saved = {name: getattr(torch.Tensor, name) for name in _READS}
     try:
         for name, method in saved.items():
