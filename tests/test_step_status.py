@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpkv import AttentionSpec, StepStatus, attention_forward, plan_attention
-from cpkv.bench.torch_compile import ALL_CASES, LENGTHS, MODES, case_id
+from cpkv.bench.torch_compile import ALL_CASES, CASES, LENGTHS, MODES, case_id
 from cpkv.launch import spawn
 from cpkv.plan import seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config
 from tests.host_syncs import count_host_syncs
-from tests.test_agreement import BadQueries, Spoiled
+from tests.test_agreement import Spoiled
 
 # The reference backend's primitives: kernels here (they loop over blocks on the host, the CPU oracle's way); the CUDA
 # backend's Triton kernels in their place make no host sync (docs/gpu_check.md, set_sync_debug_mode("error")).
@@ -109,7 +109,7 @@ def _sync_counts(rank: int, world: int) -> dict[str, tuple[int, int, int]]:
         with_status = _syncs(lambda: layer(x, plan, None, backend="reference", status=status).out)
         direct = _syncs(lambda: _direct(layer, x, plan, status))
         status.check()
-        without = _syncs(lambda: layer(x, plan, None, backend="reference").out)
+        without = _syncs(lambda: layer(x, plan, None, backend="reference").out) if (mode, layout, exchange, ring) in CASES else -1
         counts[case_id(mode, layout, exchange, ring)] = (with_status, direct, without)
     for exchange, ring in (("allgather", 1), ("need", 2)):  # kv heads with separate values and sinks
         plan = plan_attention(seqlens_to_cu_seqlens(LENGTHS["balanced"]), world, rank, layout="balanced",
@@ -124,74 +124,107 @@ def _sync_counts(rank: int, world: int) -> dict[str, tuple[int, int, int]]:
     return counts
 
 
-@pytest.mark.timeout(240)
-def test_a_layer_call_makes_no_host_sync_with_a_status() -> None:
-    per_rank = spawn(_sync_counts, 2, timeout=200.0)
-    for counts in per_rank:
+def _run(rank: int, world: int) -> dict[str, Any]:
+    """Everything on one spawn per group size: the failures; at cp 2 also the sync counts and the steps."""
+    result: dict[str, Any] = {"failures": _one_rank_failures(rank, world)}
+    if world == 2:
+        result.update(syncs=_sync_counts(rank, world), direct=_step(rank, world), hf=_hf_step(rank, world))
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict[str, Any]]]:
+    pytest.importorskip("transformers")
+    return {world: spawn(_run, world, timeout=300.0) for world in (2, 3)}
+
+
+@pytest.mark.timeout(600)
+def test_a_layer_call_makes_no_host_sync_with_a_status(runs: dict[int, list[dict[str, Any]]]) -> None:
+    for result in runs[2]:
+        counts = result["syncs"]
         assert len(counts) == len(ALL_CASES) + 2
         synced = {case: c for case, c in counts.items() if c[:2] != (0, 0)}
         assert not synced, synced
         # without a status, a compressed call agrees on its modules' outputs: one host read (the debugging mode's cost)
-        legacy = {case: c[2] for case, c in counts.items() if c[2] != (1 if case.split("/")[0] in ("compressor", "indexer") else 0)}
+        legacy = {case: c[2] for case, c in counts.items()
+                  if c[2] not in (-1, 1 if case.split("/")[0] in ("compressor", "indexer") else 0)}
         assert not legacy, legacy
 
 
 # ----------------------------------------------------------------------------- one rank's failure
 
 
-def _layer_case(rank: int, world: int, kind: str, exchange: str) -> tuple[V4Attention, Any, Tensor, Tensor, Tensor]:
+def _layer_case(rank: int, world: int, kind: str, exchange: str, *, leaves: bool = True) -> tuple[V4Attention, Any, Tensor, Tensor, Tensor]:
+    """A layer, its plan, the rank's hidden states and its q and kv (leaves: every case backpropagates on its own)."""
     config = LAYERS[kind]
     plan = plan_attention(CU, world, rank, exchange=exchange, compress_ratios=[4] if kind == "indexer" else [],  # type: ignore[arg-type]
                           windows=[4])
     layer = V4Attention(config, seed=1)
     x = plan.shard(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)))
     q, kv = layer.project(x, plan.q_positions)
+    if leaves:
+        q, kv = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
     return layer, plan, x, q, kv
 
 
+def _caller(rank: int, world: int, kind: str, exchange: str) -> tuple[Callable[..., Tensor], V4Attention, Tensor, Tensor, Tensor]:
+    """``call(status, **changes)``: the layer's ``attention_forward`` call on this rank, with some arguments changed."""
+    layer, plan, x, q, kv = _layer_case(rank, world, kind, exchange)
+    sinks = layer.sinks
+    assert sinks is not None
+
+    def call(status: StepStatus, **changes: Any) -> Tensor:
+        kwargs: dict[str, Any] = dict(q=q, kv=kv, sinks=sinks, hidden=x, compressor=layer.compressor, indexer=layer.indexer)
+        kwargs.update(changes)
+        return attention_forward(plan=plan, group=None, spec=layer.config.spec, status=status, **kwargs).out
+
+    return call, layer, q, kv, sinks
+
+
 def _one_rank_cases(rank: int, world: int) -> list[tuple[str, str, Callable[[StepStatus], Tensor]]]:
-    """``(case, what the message names, call)``: the last rank alone passes a bad argument or has a failing module."""
-    bad = rank == world - 1
-    cases = []
-    for kind in LAYERS:
-        for exchange in ("allgather", "need"):
-            layer, plan, x, q, kv = _layer_case(rank, world, kind, exchange)
-            sinks = layer.sinks
-            assert sinks is not None
+    """``(case, what the message names, call)``: the last rank alone passes a bad argument or has a failing module.
 
-            def call(status: StepStatus, q: Tensor = q, kv: Tensor = kv, sinks: Tensor = sinks, layer: V4Attention = layer,
-                     plan: Any = plan, x: Tensor = x, **modules: Any) -> Tensor:
-                kwargs: dict[str, Any] = dict(hidden=x, compressor=layer.compressor, indexer=layer.indexer)
-                kwargs.update(modules)
-                return attention_forward(q, kv, plan, None, spec=layer.config.spec, sinks=sinks, status=status, **kwargs).out
-
-            extra = torch.cat([q, q[:1]]) if bad else q
-            wide = torch.cat([q, q[..., :1]], dim=-1) if bad else q
-            cases += [
-                (f"{kind}/{exchange}: q one row too many", "q and kv must hold this rank's", lambda s, c=call, e=extra: c(s, q=e)),
-                (f"{kind}/{exchange}: kv one row too many", "q and kv must hold this rank's",
-                 lambda s, c=call, kv=kv: c(s, kv=torch.cat([kv, kv[:1]]) if bad else kv)),
-                (f"{kind}/{exchange}: q's head dim", "q's head dim D must be kv's", lambda s, c=call, w=wide: c(s, q=w)),
-                (f"{kind}/{exchange}: sinks' length", "sinks must be a float [H]",
-                 lambda s, c=call, k=sinks: c(s, sinks=torch.cat([k, k[:1]]) if bad else k)),
-            ]
-            if kind != "indexer":
-                continue
-            last = (world - 1,)
-            compressor, indexer = layer.compressor, layer.indexer
-            cases += [
-                (f"{kind}/{exchange}: compressor width", "compressor must return a float [N_c, 32]",
-                 lambda s, c=call, m=compressor: c(s, compressor=Spoiled(m, lambda e: e[:, :16], last))),
-                (f"{kind}/{exchange}: one entry fewer", "the plan's N_c",
-                 lambda s, c=call, m=compressor: c(s, compressor=Spoiled(m, lambda e: e[:-1], last))),
-                (f"{kind}/{exchange}: indexer keys", "indexer.keys must return a float [N_c, 16]",
-                 lambda s, c=call, m=indexer: c(s, indexer=Spoiled(m, lambda k: k[:, :8], last))),
-                (f"{kind}/{exchange}: indexer queries", "indexer.queries must return",
-                 lambda s, c=call, m=indexer: c(s, indexer=BadQueries(m, lambda qw: qw, last))),
-                (f"{kind}/{exchange}: compressor raises", "boom in the user's compressor",
-                 lambda s, c=call, m=compressor: c(s, compressor=Spoiled(m, _boom, last))),
-            ]
+    The argument cases in a window layer (need exchange) and an indexer layer (all-gather); the module
+    cases spread over both exchanges."""
+    bad, last = rank == world - 1, (world - 1,)
+    cases: list[tuple[str, str, Callable[[StepStatus], Tensor]]] = []
+    for kind, exchange in (("window", "need"), ("indexer", "allgather")):
+        call, _, q, kv, sinks = _caller(rank, world, kind, exchange)
+        changed = {
+            "q one row too many": ("q and kv must hold this rank's", {"q": torch.cat([q, q[:1]])}),
+            "kv one row too many": ("q and kv must hold this rank's", {"kv": torch.cat([kv, kv[:1]])}),
+            "q's head dim": ("q's head dim D must be kv's", {"q": torch.cat([q, q[..., :1]], dim=-1)}),
+            "sinks' length": ("sinks must be a float [H]", {"sinks": torch.cat([sinks, sinks[:1]])}),
+        }
+        for name, (words, change) in changed.items():
+            cases.append((f"{kind}/{exchange}: {name}", words, lambda s, c=call, k=change: c(s, **(k if bad else {}))))
+    for exchange, names in (("allgather", ("compressor width", "indexer queries")),
+                            ("need", ("one entry fewer", "indexer keys", "compressor raises"))):
+        call, layer, *_ = _caller(rank, world, "indexer", exchange)
+        compressor, indexer = layer.compressor, layer.indexer
+        modules = {
+            "compressor width": ("compressor must return a float [N_c, 32]", {"compressor": Spoiled(compressor, lambda e: e[:, :16], last)}),
+            "one entry fewer": ("the plan's N_c", {"compressor": Spoiled(compressor, lambda e: e[:-1], last)}),
+            "indexer keys": ("indexer.keys must return a float [N_c, 16]", {"indexer": Spoiled(indexer, lambda k: k[:, :8], last)}),
+            "indexer queries": ("indexer.queries must return", {"indexer": SpoiledQueries(indexer, _narrow_queries, last)}),
+            "compressor raises": ("boom in the user's compressor", {"compressor": Spoiled(compressor, _boom, last)}),
+        }
+        for name in names:
+            words, change = modules[name]
+            cases.append((f"indexer/{exchange}: {name}", words, lambda s, c=call, k=change: c(s, **k)))
     return cases
+
+
+class SpoiledQueries(Spoiled):
+    """An indexer whose ``queries`` are changed by ``spoil`` on some ranks."""
+
+    def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self._apply(self.inner.queries(x, positions))  # type: ignore[no-any-return]
+
+
+def _narrow_queries(value: Any) -> Any:
+    """Queries ``(q_index, weights)`` with half their width (keys pass unchanged)."""
+    return (value[0][..., :8], value[1]) if isinstance(value, tuple) else value
 
 
 def _boom(_value: Any) -> Any:
@@ -216,19 +249,12 @@ def _one_rank_failures(rank: int, world: int) -> list[tuple[str, str, str, float
     return outcomes
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"cp{w}")
-def failures(request: pytest.FixtureRequest) -> tuple[int, list[list[tuple[str, str, str, float, bool]]]]:
-    world: int = request.param
-    return world, spawn(_one_rank_failures, world, timeout=200.0)
-
-
-@pytest.mark.timeout(240)
-def test_one_ranks_failure_raises_on_every_rank_at_the_check(
-    failures: tuple[int, list[list[tuple[str, str, str, float, bool]]]],
-) -> None:
-    world, per_rank = failures
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"cp{w}")
+def test_one_ranks_failure_raises_on_every_rank_at_the_check(runs: dict[int, list[dict[str, Any]]], world: int) -> None:
+    per_rank = [result["failures"] for result in runs[world]]
     failing = world - 1
-    assert len(per_rank[0]) == 4 * 4 + 5 * 2
+    assert len(per_rank[0]) == 4 * 2 + 5
     for i, (name, words, own, seconds, poisoned) in enumerate(per_rank[failing]):
         assert poisoned and words in own and own.startswith(("ValueError", "TypeError", "RuntimeError")), (name, own)
         assert "layer call 1 of the step" in own and "of the group failed" not in own, (name, own)
@@ -247,7 +273,7 @@ def test_one_ranks_failure_raises_on_every_rank_at_the_check(
 
 def _step(rank: int, world: int) -> dict[str, Any]:
     """An SGD step whose layer call failed on the last rank: the check raises before the optimizer steps."""
-    layer, plan, x, q, kv = _layer_case(rank, world, "indexer", "need")
+    layer, plan, x, q, kv = _layer_case(rank, world, "indexer", "need", leaves=False)
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     status = StepStatus()
@@ -294,14 +320,9 @@ def _hf_step(rank: int, world: int) -> dict[str, Any]:
             "no_backward": not grads}
 
 
-def _steps(rank: int, world: int) -> dict[str, Any]:
-    return {"direct": _step(rank, world), "hf": _hf_step(rank, world)}
-
-
-@pytest.mark.timeout(240)
-def test_a_poisoned_step_never_updates_the_weights() -> None:
-    pytest.importorskip("transformers")
-    per_rank = spawn(_steps, 2, timeout=200.0)
+@pytest.mark.timeout(600)
+def test_a_poisoned_step_never_updates_the_weights(runs: dict[int, list[dict[str, Any]]]) -> None:
+    per_rank = runs[2]
     assert per_rank[1]["direct"]["raised"].startswith("layer call 1 of the step (INDEXER, compress_ratio=4, window=4): q and kv")
     assert per_rank[0]["direct"]["raised"].startswith("rank 1 of the group failed, so every rank raises: ValueError: layer call 1")
     assert per_rank[1]["direct"]["nan_grads"], per_rank  # the failing rank's gradients are poisoned
