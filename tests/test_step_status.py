@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -38,6 +39,7 @@ from tests.test_agreement import Spoiled
 # backend's Triton kernels in their place make no host sync (docs/gpu_check.md, set_sync_debug_mode("error")).
 KERNELS = {f"cpkv::{op}" for op in ("sparse_attention", "sparse_attention_backward", "selected_probs", "range_attention",
                                      "range_attention_backward", "indexer_topk")}
+ROOT = Path(__file__).resolve().parents[1]
 CU = torch.tensor([0, 5, 12, 16, 24])  # the last rank of 2 or 3 owns compressed blocks at ratio 4
 LAYERS = {"window": V4Config(compress_ratio=0, window=4), "indexer": V4Config(compress_ratio=4, window=4, topk=4)}
 
@@ -266,6 +268,13 @@ def test_one_ranks_failure_raises_on_every_rank_at_the_check(runs: dict[int, lis
             assert theirs.startswith(f"{kind}: rank {failing} of the group failed, so every rank raises:"), (name, theirs)
             assert words in theirs and "layer call 1 of the step" in theirs, (name, theirs)
         assert max(p[i][3] for p in per_rank) < 30, (name, [p[i][3] for p in per_rank])  # seconds, under a loaded CI
+    if world == 2:  # the docs quote what the ranks raise
+        quoted = {name: (own, per_rank[0][i][2]) for i, (name, _, own, _, _) in enumerate(per_rank[failing])}
+        troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+        semantics = (ROOT / "docs" / "semantics.md").read_text(encoding="utf-8")
+        for name in ("window/need: q one row too many", "indexer/allgather: q's head dim", "indexer/allgather: sinks' length"):
+            assert quoted[name][1] in troubleshooting, quoted[name][1]
+        assert all(text in semantics for text in quoted["window/need: q one row too many"]), quoted
 
 
 # ----------------------------------------------------------------------------- the step
