@@ -19,7 +19,9 @@ Pure, typed functions over tensors and explicit process groups:
 * the pipeline: :func:`plan_attention` (layout, exchange, ring rounds, compress ratios and
   windows: the whole description of a micro-batch) and its one executor :func:`attention_forward`;
 * :func:`exchange_rows` (need-exchange routes), :func:`merge_partials` and
-  :class:`BackwardOrder`, which keeps backward collectives in one order on every rank.
+  :class:`BackwardOrder`, which keeps backward collectives in one order on every rank;
+* :class:`StepStatus`: a step's layer-call failures, recorded without a host sync and
+  raised on every rank once per step (:mod:`cpkv.status`).
 
 What every operation means: docs/semantics.md.
 """
@@ -43,6 +45,7 @@ from cpkv.comm import (
 from cpkv.compress_mode import LayerCompressMode, effective_cmp_ratio
 from cpkv.exchange import exchange_rows
 from cpkv.merge import merge_partials
+from cpkv.status import StepStatus
 from cpkv.plan import (
     AttentionPlan,
     CompressedPlan,
@@ -116,6 +119,7 @@ __all__ = [
     "Routes",
     "SegmentPlan",
     "ShardLayout",
+    "StepStatus",
     "actual_seq_len_to_cu_seqlens",
     "all_gather_qk_weight_kvallgather",
     "attention_forward",

@@ -2,8 +2,9 @@
 
 A rank that raises alone leaves the others waiting in their next collective until the
 timeout. Wherever a check can fail on some ranks only (a rank's own arguments to
-:func:`cpkv.plan_attention`, or what a rank's compressor and indexer returned in a layer
-call), every rank calls :func:`agree` at the same point instead: one all-reduce (MAX) of two
+:func:`cpkv.plan_attention`, a step's layer-call failures at :meth:`cpkv.StepStatus.check`,
+or, in a layer call without a status, what a rank's compressor and indexer returned), every
+rank calls :func:`agree` at the same point instead: one all-reduce (MAX) of two
 integers says whether any rank failed and which one failed first; if one did, that rank's
 message is broadcast and every rank raises. The failing rank raises its own exception; the
 others raise the same kind (``ValueError`` or ``TypeError``, else ``RuntimeError``) with a

@@ -2,8 +2,10 @@
 
 Per layer call, in every layout, exchange and compress mode:
 
-1. check every argument against the plan and the spec (shapes only: no host sync, the
-   same outcome on every rank, before any collective);
+1. check every argument against the plan and the spec (shapes only, no host sync, before
+   any collective): what fixes the call's collectives raises at once; with a
+   :class:`~cpkv.status.StepStatus`, a rank whose own tensors fail reports it there and runs
+   the call with NaN stand-ins (the status is checked once per step, :mod:`cpkv.status`);
 2. build the rank's kv buffer as the plan says (a slice or rows of the all-gathered kv, or
    the need-exchange halo in front of the rank's own rows, or only its own rows when ring
    rounds bring the rest); all kv heads, keys and values side by side, in one collective;
@@ -43,6 +45,7 @@ from cpkv.merge import merge_partials
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.routes import CompressedRoutes, KVSource
 from cpkv.plan.segments import CompressedPlan
+from cpkv.status import StepStatus
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,58 @@ def _checked_queries(indexer: IndexerFn, q_index: object, weights: object, num_q
     )
 
 
+class _Report:
+    """A deferred layer call's failures: recorded in the step's :class:`~cpkv.status.StepStatus`, named by the call."""
+
+    def __init__(self, status: StepStatus, spec: AttentionSpec) -> None:
+        ratio = f", compress_ratio={spec.compress_ratio}" if spec.mode.compresses else ""
+        self.call = f"layer call {status.start_call()} of the step ({spec.mode.name}{ratio}, window={spec.window})"
+        self.status, self.failed = status, False
+
+    def __call__(self, error: Exception) -> None:
+        self.failed = True
+        self.status.report(error, self.call)
+
+
+def _stand_in(x: Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
+    """NaN ``shape`` in place of ``x``, tied to ``x`` when it is a differentiable float tensor there: ``x``'s gradient is NaN too."""
+    where = x.device if device is None else device
+    filler = torch.full(shape, math.nan, dtype=dtype, device=where)
+    if x.requires_grad and x.is_floating_point() and x.device == where:
+        filler = filler + x.sum().to(dtype) * 0
+    return filler
+
+
+def _poisoned(out: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """NaN ``shape`` that depends on ``out`` with a NaN derivative (whatever gradient arrives, ``out``'s is NaN)."""
+    return out.new_full(shape, math.nan) + out.sum() * math.nan
+
+
+def _stand_ins(
+    q: Tensor, kv: Tensor, v: Tensor | None, sinks: Tensor | None, hidden: Tensor | None, index_features: Tensor | None,
+    plan: AttentionPlan, spec: AttentionSpec, compressor: CompressorFn | None, indexer: IndexerFn | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """NaN tensors of the planned shapes for a rank whose own tensors failed their checks.
+
+    What travels keeps kv's form (``[T/cp, *kv.shape[1:]]``, kv's dtype; hidden ``[T/cp,
+    compressor.input_dim]``), so the call's collectives have the sizes every other rank's have;
+    q keeps its heads where kv's divide them. Each stand-in depends on the tensor it replaces.
+    """
+    rows, dtype, device = plan.local_len, kv.dtype, kv.device
+    heads = q.shape[1] if q.shape[1] and (kv.ndim == 2 or q.shape[1] % kv.shape[1] == 0) else (kv.shape[1] if kv.ndim == 3 else 1)
+    new_q = _stand_in(q, (rows, heads, kv.shape[-1]), dtype, device)
+    new_kv = _stand_in(kv, (rows, *kv.shape[1:]), dtype, device)
+    new_v = None if v is None else _stand_in(v, (rows, kv.shape[1], spec.d_v), dtype, device)
+    new_sinks = None if sinks is None else _stand_in(sinks, (heads,), dtype, device)
+    new_hidden, new_features = hidden, index_features
+    if hidden is not None and compressor is not None:
+        floating = hidden.dtype if hidden.is_floating_point() else dtype
+        new_hidden = _stand_in(hidden, (rows, compressor.input_dim), floating, device)
+        if index_features is not None and indexer is not None:
+            new_features = _stand_in(index_features, (rows, indexer.feature_dim), floating, device)
+    return new_q, new_kv, new_v, new_sinks, new_hidden, new_features
+
+
 class _Computed(NamedTuple):
     """The modules' outputs on this rank, before any entry moves."""
 
@@ -324,16 +379,38 @@ def _run_modules(
     return _Computed(entries, keys, queries)
 
 
+def _module_stand_ins(
+    plan: AttentionPlan, spec: AttentionSpec, inputs: Tensor, halo: Tensor | None, indexer: IndexerFn | None, width: int,
+) -> _Computed:
+    """NaN module outputs of the planned shapes, for a rank whose compressor or indexer failed (the call's collectives stay)."""
+    ratio = spec.compress_ratio
+    if halo is None:
+        num = plan.segments.compressed_for(ratio).num_entries
+    else:
+        num = plan.compressed[ratio].straddle.num_entries + plan.compressed[ratio].own.num_entries
+    entries = [_stand_in(inputs, (num, width), inputs.dtype)] if num else []
+    if spec.mode is not LayerCompressMode.INDEXER or indexer is None or (halo is None and not entries):
+        return _Computed(entries, None, None)
+    key_dtype = torch.promote_types(inputs.dtype, torch.float32)
+    keys = _stand_in(inputs.detach(), (num, indexer.key_dim), key_dtype)
+    queries = None
+    if entries or (halo is not None and plan.compressed[ratio].entries.num_recv > 0):
+        nan = math.nan
+        queries = (keys.new_full((plan.local_len, 1, indexer.key_dim), nan), keys.new_full((plan.local_len, 1), nan))
+    return _Computed(entries, keys, queries)
+
+
 def _entries(
     plan: AttentionPlan, spec: AttentionSpec, hidden: Tensor, compressor: CompressorFn, indexer: IndexerFn | None,
-    index_features: Tensor | None, kv: Tensor, group: Group, order: BackwardOrder,
+    index_features: Tensor | None, kv: Tensor, group: Group, order: BackwardOrder, report: _Report | None, agree: bool,
 ) -> tuple[list[Tensor], IndexerTensors | None]:
     """Compressed entries of the rank's prefix in plan order, as parts (and the indexer's tensors).
 
     The compressor inputs arrive first (all-gathered, or the need exchange's halo), then the
-    compressor and the indexer run; with ``plan.check_modules`` the ranks agree on whether all
-    of them returned what the plan says (:func:`cpkv.agreement.agree_in_order`) before any
-    entry or key moves.
+    compressor and the indexer run, and with ``plan.check_modules`` what they returned is
+    checked against the plan before any entry or key moves. A failure is reported to the
+    step's status (``report``: NaN outputs of the planned shapes take their place) or, without
+    one, the ranks agree on it at once (:func:`cpkv.agreement.agree_in_order`).
     """
     halo = None
     if plan.exchange == "allgather":
@@ -347,8 +424,14 @@ def _entries(
     except Exception as exc:  # noqa: BLE001 - user code: every rank learns of it
         if not plan.check_modules:
             raise
-        error, computed = exc, _Computed([], None, None)
-    if plan.check_modules:
+        if report is not None:
+            report(exc)
+            computed = _module_stand_ins(plan, spec, inputs, halo, indexer, kv.shape[-1])
+        elif not agree:  # tracing under torch.compile with a status: this rank raises
+            raise
+        else:
+            error, computed = exc, _Computed([], None, None)
+    if plan.check_modules and agree:
         agree_in_order(error, group, order)
     # Every rank sends the same dtype: entries in the kv dtype (what attention uses them in).
     parts = [e.to(kv.dtype) for e in computed.entries]
@@ -374,10 +457,10 @@ def _entries(
 
 
 def _check_module(
-    name: str, module: object, spec: AttentionSpec, plan: AttentionPlan, hidden: Tensor,
+    name: str, module: object, spec: AttentionSpec, plan: AttentionPlan,
     declared: tuple[str, ...] = ("ratio", "prev_blocks", "input_dim"), methods: tuple[str, ...] = ("__call__",),
 ) -> None:
-    """A compressor's or indexer's declarations against the spec, the plan and ``hidden``."""
+    """A compressor's or indexer's declarations against the spec and the plan."""
     protocol = "CompressorFn" if name == "compressor" else "IndexerFn"
     for attribute in declared:
         value = getattr(module, attribute, None)
@@ -395,8 +478,6 @@ def _check_module(
             f"{name}.prev_blocks={reader.prev_blocks} but the plan covers {planned} earlier block(s) at ratio"
             f" {spec.compress_ratio}: plan_attention(..., prev_blocks={{{spec.compress_ratio}: {reader.prev_blocks}}})"
         )
-    if hidden.shape[-1] != reader.input_dim:
-        raise ValueError(f"hidden must be [T/cp, {name}.input_dim] = [{plan.local_len}, {reader.input_dim}], got {tuple(hidden.shape)}")
 
 
 def _check_finite(name: str, value: object, *, positive: bool = False) -> None:
@@ -407,48 +488,45 @@ def _check_finite(name: str, value: object, *, positive: bool = False) -> None:
         raise ValueError(f"{name} must be a finite{' positive' if positive else ''} float, got {value!r}")
 
 
-def _check_tensor_arg(name: str, x: object, form: str, ndim: int, rows: int, like: Tensor) -> Tensor:
+def _check_tensor_arg(name: str, x: Tensor, form: str, ndim: int, rows: int, like: Tensor) -> Tensor:
     """A floating tensor of ``ndim`` dims, ``rows`` rows, on ``like``'s device."""
-    tensor = check_tensor(name, x)
-    check_ndim(name, tensor, ndim, form)
-    if not tensor.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
-    if tensor.shape[0] != rows:
-        raise ValueError(f"{name} must be {form} with {rows} rows (plan.local_len), got shape {tuple(tensor.shape)}")
-    if tensor.device != like.device:
-        raise ValueError(f"{name} must be on q's device {like.device}, got {tensor.device}")
-    return tensor
+    check_ndim(name, x, ndim, form)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.shape[0] != rows:
+        raise ValueError(f"{name} must be {form} with {rows} rows (plan.local_len), got shape {tuple(x.shape)}")
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on q's device {like.device}, got {x.device}")
+    return x
 
 
-def _check_heads(q: Tensor, kv: Tensor, v: Tensor | None, spec: AttentionSpec) -> None:
-    """The kv heads against q's: ``H % H_kv == 0``, key width ``D``, values ``d_v`` (shared or ``v``)."""
-    heads, dim = q.shape[1], q.shape[-1]
-    form = "[T/cp, D]" if kv.ndim == 2 else "[T/cp, H_kv, D]"
-    if kv.ndim == 3 and (kv.shape[1] == 0 or heads % kv.shape[1]):
-        raise ValueError(f"kv has {kv.shape[1]} heads, which must divide q's {heads} heads (H % H_kv == 0), got shape {tuple(kv.shape)}")
-    if kv.shape[-1] != dim:
-        raise ValueError(f"kv must be {form} with D = q's {dim}, got {tuple(kv.shape)}")
+def _check_form(kv: Tensor, v: Tensor | None, spec: AttentionSpec) -> None:
+    """kv's form (what every exchange moves): float ``[T/cp, D]`` or ``[T/cp, H_kv, D]``, with ``v`` ``[T/cp, H_kv, d_v]``."""
+    if check_tensor("kv", kv).ndim not in (2, 3):
+        raise ValueError(f"kv must be [T/cp, D] (one shared kv head) or [T/cp, H_kv, D] (kv heads), got shape {tuple(kv.shape)}")
+    if not kv.is_floating_point():
+        raise TypeError(f"kv must be a floating-point tensor, got dtype {kv.dtype}")
+    if kv.ndim == 3 and kv.shape[1] == 0:
+        raise ValueError(f"kv must have at least one head, got shape {tuple(kv.shape)}")
     if v is None:
-        if spec.d_v > dim:
-            raise ValueError(f"spec.d_v ({spec.d_v}) must be <= D = {dim}: shared kv heads hold the values in their first d_v channels")
+        if spec.d_v > kv.shape[-1]:
+            raise ValueError(
+                f"spec.d_v ({spec.d_v}) must be <= D = {kv.shape[-1]}: shared kv heads hold the values in their first d_v channels"
+            )
         return
     check_ndim("v", check_tensor("v", v), 3, "[T/cp, H_kv, d_v]")
     if kv.ndim != 3:
         raise ValueError(f"with separate values v, kv must hold the keys as [T/cp, H_kv, D], got shape {tuple(kv.shape)}")
-    if tuple(v.shape) != (kv.shape[0], kv.shape[1], spec.d_v):
-        raise ValueError(
-            f"v must be [T/cp, H_kv, spec.d_v] = [{kv.shape[0]}, {kv.shape[1]}, {spec.d_v}] (kv's rows and heads), got {tuple(v.shape)}"
-        )
-    if not v.is_floating_point():
-        raise TypeError(f"v must be a floating-point tensor, got dtype {v.dtype}")
 
 
-def _check_inputs(
+def _check_call(
     q: Tensor, kv: Tensor, v: Tensor | None, plan: AttentionPlan, group: Group, spec: AttentionSpec, sinks: Tensor | None,
     hidden: Tensor | None, compressor: CompressorFn | None, indexer: IndexerFn | None, index_features: Tensor | None,
     backend: AttentionBackend, grad_scale: float,
 ) -> None:
-    """Every check of a layer call: shapes and plan fields only (no host sync, identical on every rank)."""
+    """The checks that fix which collectives the call makes, and their sizes: the plan, the spec, the group,
+    the modules' declarations, and the form of q and kv. A layer's options are the same on every rank, so
+    these fail on every rank alike; they raise at once, before any collective."""
     if not isinstance(plan, AttentionPlan):
         raise TypeError(f"plan must be an AttentionPlan from cpkv.plan_attention, got {type(plan).__name__}")
     if not isinstance(spec, AttentionSpec):
@@ -457,24 +535,13 @@ def _check_inputs(
     check_group("group", group)
     _check_finite("grad_scale", grad_scale)
     check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
-    if check_tensor("kv", kv).ndim not in (2, 3):
-        raise ValueError(f"kv must be [T/cp, D] (one shared kv head) or [T/cp, H_kv, D] (kv heads), got shape {tuple(kv.shape)}")
-    if not q.is_floating_point():
-        raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
-    _check_heads(q, kv, v, spec)
+    _check_form(kv, v, spec)
+    for name, tensor in (("sinks", sinks), ("hidden", hidden), ("index_features", index_features)):
+        if tensor is not None:
+            check_tensor(name, tensor)
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     if (plan.cp_size, plan.cp_rank) != (cp_size, cp_rank):
         raise ValueError(f"plan was made for cp_size={plan.cp_size}, cp_rank={plan.cp_rank}; the group has size {cp_size}, rank {cp_rank}")
-    if q.shape[0] != plan.local_len or kv.shape[0] != plan.local_len:
-        raise ValueError(f"q and kv must hold this rank's {plan.local_len} tokens (plan.local_len), got {q.shape[0]} and {kv.shape[0]}")
-    if kv.dtype != q.dtype or kv.device != q.device:
-        raise TypeError(f"kv must have q's dtype and device ({q.dtype}, {q.device}), got {kv.dtype}, {kv.device}")
-    if v is not None and (v.dtype != q.dtype or v.device != q.device):
-        raise TypeError(f"v must have q's dtype and device ({q.dtype}, {q.device}), got {v.dtype}, {v.device}")
-    if sinks is not None:
-        check_ndim("sinks", check_tensor("sinks", sinks), 1, f"[H] = [{q.shape[1]}]")
-        if sinks.shape[0] != q.shape[1] or not sinks.is_floating_point() or sinks.device != q.device:
-            raise ValueError(f"sinks must be a float [H] = [{q.shape[1]}] tensor on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
     plan.kv_source(spec.window)  # raises for a window the need plan lacks
     if plan.ring_degree > 1 and backend.name == "npu":
         raise ValueError("ring_degree > 1 merges partial LSEs, which the NPU backend does not differentiate; plan with 1")
@@ -492,29 +559,77 @@ def _check_inputs(
         )
     if compressor is None or hidden is None:
         raise ValueError(f"compressor and hidden are required for {spec.mode.name} layers (compress_ratio={spec.compress_ratio})")
-    hidden = _check_tensor_arg("hidden", hidden, "[T/cp, hidden]", 2, plan.local_len, q)
-    _check_module("compressor", compressor, spec, plan, hidden)
+    _check_module("compressor", compressor, spec, plan)
     if spec.mode is LayerCompressMode.INDEXER:
         if indexer is None:
             raise ValueError(f"indexer is required for INDEXER layers (compress_ratio={spec.compress_ratio})")
-        _check_module("indexer", indexer, spec, plan, hidden, ("ratio", "prev_blocks", "input_dim", "key_dim", "feature_dim"),
+        _check_module("indexer", indexer, spec, plan, ("ratio", "prev_blocks", "input_dim", "key_dim", "feature_dim"),
                       ("queries", "keys"))
-        features = hidden
-        if index_features is not None:
-            features = _check_tensor_arg("index_features", index_features, "[T/cp, F]", 2, plan.local_len, q)
-        if features.shape[-1] != indexer.feature_dim:
-            which = "index_features" if index_features is not None else "hidden (index_features not given)"
-            raise ValueError(
-                f"{which} must be [T/cp, indexer.feature_dim] = [{plan.local_len}, {indexer.feature_dim}],"
-                f" got {tuple(features.shape)}"
-            )
+
+
+def _check_heads(q: Tensor, kv: Tensor, v: Tensor | None, spec: AttentionSpec) -> None:
+    """q's heads and width against kv's (``H % H_kv == 0``, key width ``D``) and ``v``'s shape (``[T/cp, H_kv, d_v]``)."""
+    heads, dim = q.shape[1], q.shape[-1]
+    form = "[T/cp, D]" if kv.ndim == 2 else "[T/cp, H_kv, D]"
+    if kv.ndim == 3 and heads % kv.shape[1]:
+        raise ValueError(f"kv has {kv.shape[1]} heads, which must divide q's {heads} heads (H % H_kv == 0), got shape {tuple(kv.shape)}")
+    if kv.shape[-1] != dim:
+        raise ValueError(f"q's head dim D must be kv's ({form} = {tuple(kv.shape)}): got q {tuple(q.shape)}")
+    if v is None:
+        return
+    if tuple(v.shape) != (kv.shape[0], kv.shape[1], spec.d_v):
+        raise ValueError(
+            f"v must be [T/cp, H_kv, spec.d_v] = [{kv.shape[0]}, {kv.shape[1]}, {spec.d_v}] (kv's rows and heads), got {tuple(v.shape)}"
+        )
+    if not v.is_floating_point():
+        raise TypeError(f"v must be a floating-point tensor, got dtype {v.dtype}")
+
+
+def _check_tensors(
+    q: Tensor, kv: Tensor, v: Tensor | None, plan: AttentionPlan, spec: AttentionSpec, sinks: Tensor | None,
+    hidden: Tensor | None, compressor: CompressorFn | None, indexer: IndexerFn | None, index_features: Tensor | None,
+) -> None:
+    """The rank's tensors against the plan and each other (rows, heads, widths, dtypes, devices): what can
+    differ on one rank only (after :func:`_check_call`; no host sync)."""
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    _check_heads(q, kv, v, spec)
+    if q.shape[0] != plan.local_len or kv.shape[0] != plan.local_len:
+        raise ValueError(f"q and kv must hold this rank's {plan.local_len} tokens (plan.local_len), got {q.shape[0]} and {kv.shape[0]}")
+    if kv.dtype != q.dtype or kv.device != q.device:
+        raise TypeError(f"kv must have q's dtype and device ({q.dtype}, {q.device}), got {kv.dtype}, {kv.device}")
+    if v is not None and (v.dtype != q.dtype or v.device != q.device):
+        raise TypeError(f"v must have q's dtype and device ({q.dtype}, {q.device}), got {v.dtype}, {v.device}")
+    if sinks is not None:
+        check_ndim("sinks", sinks, 1, f"[H] = [{q.shape[1]}]")
+        if sinks.shape[0] != q.shape[1] or not sinks.is_floating_point() or sinks.device != q.device:
+            raise ValueError(f"sinks must be a float [H] = [{q.shape[1]}] tensor on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+    if not spec.mode.compresses or hidden is None or compressor is None:
+        return
+    hidden = _check_tensor_arg("hidden", hidden, "[T/cp, hidden]", 2, plan.local_len, q)
+    readers = [("compressor", compressor)] if indexer is None or spec.mode is not LayerCompressMode.INDEXER else [
+        ("compressor", compressor), ("indexer", indexer)]
+    for name, reader in readers:
+        if hidden.shape[-1] != reader.input_dim:
+            raise ValueError(f"hidden must be [T/cp, {name}.input_dim] = [{plan.local_len}, {reader.input_dim}], got {tuple(hidden.shape)}")
+    if indexer is None or spec.mode is not LayerCompressMode.INDEXER:
+        return
+    features = hidden
+    if index_features is not None:
+        features = _check_tensor_arg("index_features", index_features, "[T/cp, F]", 2, plan.local_len, q)
+    if features.shape[-1] != indexer.feature_dim:
+        which = "index_features" if index_features is not None else "hidden (index_features not given)"
+        raise ValueError(
+            f"{which} must be [T/cp, indexer.feature_dim] = [{plan.local_len}, {indexer.feature_dim}],"
+            f" got {tuple(features.shape)}"
+        )
 
 
 def attention_forward(
     q: Tensor, kv: Tensor, plan: AttentionPlan, group: Group, *, spec: AttentionSpec, v: Tensor | None = None,
     sinks: Tensor | None = None, hidden: Tensor | None = None, compressor: CompressorFn | None = None,
     indexer: IndexerFn | None = None, index_features: Tensor | None = None,
-    backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
+    backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0, status: StepStatus | None = None,
 ) -> AttentionOutput:
     """Prefix attention of this rank's shard, exactly as ``plan`` describes the micro-batch.
 
@@ -545,6 +660,15 @@ def attention_forward(
             :class:`~cpkv.backends.base.AttentionBackend` instance (create it once per model so
             that fallback warnings appear once).
         grad_scale: multiplies the indexer-loss gradients (kept per call in autograd ctx).
+        status: the step's :class:`~cpkv.status.StepStatus` (the same object for every layer call
+            of the step; check it once per step, before the optimizer steps). With it the call
+            makes no host sync, and a check that fails on this rank only (its tensors' rows,
+            heads, widths, dtypes or devices; with ``plan.check_modules``, what its compressor
+            or indexer returned or raised) is recorded there: the rank runs the call's
+            collectives with NaN stand-ins and returns NaN, and ``status.check()`` raises on
+            every rank. ``None`` (default): such a check raises at once on the rank where it
+            fails, and the ranks agree on the modules' outputs with a host sync per compressed
+            call (as ``StepStatus(each_call=True)`` does for every check).
 
     Returns:
         :class:`AttentionOutput` with ``out`` ``[T/cp, H, d_v]``. Backward flows to ``q``,
@@ -552,25 +676,49 @@ def attention_forward(
         not detached; the indexer sees detached inputs and learns from its KL loss).
 
     Raises:
-        ValueError, TypeError: bad shapes or dtypes (``H % H_kv != 0``, ``v`` not
-            ``[T/cp, H_kv, d_v]``, kv heads in a compressed layer), inconsistent spec/modules/plan, a plan
-            for another group position, a ratio or need window the plan lacks, ring rounds
-            with the NPU backend; raised on every rank before any collective.
+        ValueError, TypeError: at once, before any collective: an inconsistent spec, plan,
+            group or module declaration (a plan for another group position, a ratio or need
+            window the plan lacks, ring rounds with the NPU backend, kv heads in a compressed
+            layer, kv not a float ``[T/cp, D]`` / ``[T/cp, H_kv, D]``). Bad tensors of this rank
+            (rows other than ``plan.local_len``, ``H % H_kv != 0``, q's ``D`` other than kv's,
+            ``v`` not ``[T/cp, H_kv, d_v]``, sinks not ``[H]``, hidden or index features of the
+            wrong width, dtypes, devices): with a deferring ``status`` at ``status.check()`` on
+            every rank, else at once on this rank.
 
     Example:
         >>> plan = plan_attention(cu_seqlens, cp_size, cp_rank, compress_ratios=[4])  # doctest: +SKIP
         >>> out = attention_forward(q, kv, plan, group, spec=AttentionSpec(d_v=448, compress_ratio=4, window=128)).out  # doctest: +SKIP
     """
     ops = get_backend(backend, q.device if isinstance(q, Tensor) else None)
-    _check_inputs(q, kv, v, plan, group, spec, sinks, hidden, compressor, indexer, index_features, ops, grad_scale)
+    _check_call(q, kv, v, plan, group, spec, sinks, hidden, compressor, indexer, index_features, ops, grad_scale)
+    if status is not None and not isinstance(status, StepStatus):
+        raise TypeError(f"status must be a cpkv.StepStatus or None, got {type(status).__name__}")
+    error: Exception | None = None
+    try:
+        _check_tensors(q, kv, v, plan, spec, sinks, hidden, compressor, indexer, index_features)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    compiling = torch.compiler.is_compiling()
+    if error is not None and (status is None or compiling):  # no status, or tracing: this rank raises at once
+        raise error
+    agree = status is None or status.each_call  # the ranks agree on the modules' outputs in the call
+    report = None if agree or status is None or compiling else _Report(status, spec)
+    given = q
+    if error is not None and report is not None:  # this rank takes part with NaN stand-ins of the planned shapes
+        report(error)
+        q, kv, v, sinks, hidden, index_features = _stand_ins(q, kv, v, sinks, hidden, index_features, plan, spec,
+                                                             compressor, indexer)
     order = BackwardOrder(q, kv) if v is None else BackwardOrder(q, kv, v)
+    if status is not None and status.each_call:  # debugging: agree on every rank's arguments at once
+        agree_in_order(error, group, order)
     source = plan.kv_source(spec.window)
     moved = _exchanged(kv, v)  # what every exchange moves: all kv heads (and values) in one collective
     kv_parts = _kv_parts(moved, plan, source, group, order)
     entry_parts: list[Tensor] = []
     index = None
     if spec.mode.compresses and compressor is not None and hidden is not None:
-        entry_parts, index = _entries(plan, spec, hidden, compressor, indexer, index_features, kv, group, order)
+        entry_parts, index = _entries(plan, spec, hidden, compressor, indexer, index_features, kv, group, order, report,
+                                      agree)
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     local_sinks = sinks if not source.rounds else None
     num_kv = sum(t.shape[0] for t in kv_parts)
@@ -628,4 +776,8 @@ def attention_forward(
             grad_scale=grad_scale, num_global_queries=plan.num_global_queries, kl=ops.indexer_kl,
         )
         result, loss = AttentionResult(attached.out, result.lse), attached.loss
-    return AttentionOutput(order.attach(result.out), loss, ratio)
+    out = result.out
+    if report is not None and report.failed:  # poisoned: NaN values, NaN gradients (to this rank's inputs and peers)
+        out = _poisoned(out, (given.shape[0], given.shape[1], spec.d_v))
+        loss = None if loss is None else loss * math.nan
+    return AttentionOutput(order.attach(out), loss, ratio)

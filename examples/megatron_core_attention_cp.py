@@ -13,8 +13,9 @@ attention. Each rank runs Megatron's THD recipe:
    (``cu_seqlens_q`` real, ``cu_seqlens_q_padded`` padded);
 3. take the rank's per-document zigzag shard (chunks ``r`` and ``2cp-1-r``), plan it once
    (``plan_from_packed_seq_params``) and hand the plan to every layer inside the
-   micro-batch's ``packed_seq_params`` (``with_plan``);
-4. normalise the loss by the global count of labelled tokens, sum the gradients over the CP
+   micro-batch's ``packed_seq_params`` (``with_plan``, with the step's ``StepStatus``);
+4. normalise the loss by the global count of labelled tokens, check the step's status (a
+   layer call that failed on any rank raises on every rank), sum the gradients over the CP
    group (a wrapper that *averages* over CP ranks needs the loss multiplied by cp), step.
 
 It runs 3 SGD steps at cp 2 (2 gloo ranks, padded) and at cp 1 (one process, the unpadded
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cpkv import StepStatus
 from cpkv.integrations.megatron import plan_from_packed_seq_params
 from cpkv.integrations.megatron_attention import CPKVCoreAttention, with_plan
 from cpkv.launch import spawn
@@ -125,7 +127,8 @@ def train(rank: int, world: int) -> list[float]:
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
-    params = with_plan(params, plan_from_packed_seq_params(params, world, rank))  # once per micro-batch
+    status = StepStatus(cp_group)  # the layers report failed checks to it (no host sync); checked once per step
+    params = with_plan(params, plan_from_packed_seq_params(params, world, rank), status=status)  # once per micro-batch
     num_labels = int((labels != IGNORE).sum())  # global: every rank knows the whole batch's labels
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -134,6 +137,7 @@ def train(rank: int, world: int) -> list[float]:
         logits = model(ids_local, params)
         loss = nn.functional.cross_entropy(logits, labels_local, ignore_index=IGNORE, reduction="sum") / num_labels
         loss.backward()
+        status.check()  # a layer call that failed on any rank raises here on every rank, before the step
         for p in model.parameters():  # the whole batch's gradient: the sum over the CP ranks
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=cp_group)

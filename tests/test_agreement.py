@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpkv import AttentionSpec, attention_forward, plan_attention
+from cpkv import AttentionSpec, StepStatus, attention_forward, plan_attention
 from cpkv.launch import spawn
 from cpkv.plan.cost import CostModel
 from cpkv.plan.segments import CompressedPlan
@@ -188,24 +188,33 @@ def test_module_failures_raise_on_every_rank(per_rank: Results, run: str) -> Non
     _assert_agreed([o[boom:boom + 1] for o in outcomes], world - 1, world)
 
 
-def _one_rank_bad_q(rank: int, world: int) -> str:
-    """Rank 1 passes one ``q`` row too many; rank 0 a correct call (the documented limit)."""
+def _one_rank_bad_q(rank: int, world: int) -> tuple[str, str]:
+    """Rank 1 passes one ``q`` row too many, rank 0 a correct call: first agreed in the call
+    (``StepStatus(each_call=True)``), then without a status (the immediate mode)."""
     plan = plan_attention(CU, world, rank, group=dist.group.WORLD)
     gen = torch.Generator().manual_seed(rank)
     q = torch.randn(plan.local_len + (rank == 1), 2, 8, generator=gen)
     kv = torch.randn(plan.local_len, 8, generator=gen)
-    try:
-        attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=8, window=None))
-    except Exception as error:  # noqa: BLE001 - the outcome is the result
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+    outcomes = []
+    for status in (StepStatus(each_call=True), None):
+        try:
+            attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=8, window=None), status=status)
+            outcomes.append("no error")
+        except Exception as error:  # noqa: BLE001 - the outcome is the result
+            outcomes.append(f"{type(error).__name__}: {error}")
+    return outcomes[0], outcomes[1]
 
 
 @pytest.mark.timeout(120)
-def test_one_rank_bad_argument_raises_there_and_fails_the_peers_collective() -> None:
-    """The limit the README states: an argument only one rank gets wrong raises on that rank before any
-    collective; its peers are already in the layer's first collective, which fails (gloo: the peer closed)
-    once the failing rank leaves the group. NCCL would wait until the group's timeout instead."""
+def test_one_rank_bad_argument_without_a_status_raises_there_and_fails_the_peers_collective() -> None:
+    """``StepStatus(each_call=True)`` agrees in the call: every rank raises, naming rank 1. Without a status
+    an argument only one rank gets wrong raises on that rank before any collective; its peers are already in
+    the layer's first collective, which fails (gloo: the peer closed) once the failing rank leaves the group.
+    NCCL would wait until the group's timeout instead. (With a deferring status it raises on every rank at
+    the step's check: tests/test_step_status.py.)"""
     outcomes = spawn(_one_rank_bad_q, 2, timeout=60.0)
-    assert outcomes[1] == "ValueError: q and kv must hold this rank's 12 tokens (plan.local_len), got 13 and 12", outcomes
-    assert outcomes[0].startswith(("RuntimeError", "DistBackendError")) and "rank 1" not in outcomes[0], outcomes
+    message = "ValueError: q and kv must hold this rank's 12 tokens (plan.local_len), got 13 and 12"
+    assert outcomes[1][0] == message and outcomes[0][0] == message.replace(
+        "ValueError: ", "ValueError: rank 1 of the group failed, so every rank raises: ValueError: ", 1), outcomes
+    assert outcomes[1][1] == message, outcomes
+    assert outcomes[0][1].startswith(("RuntimeError", "DistBackendError")) and "rank 1" not in outcomes[0][1], outcomes

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from cpkv.attention import AttentionSpec, attention_forward
+from cpkv.status import StepStatus
 from cpkv.backends import get_backend
 from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_ndim, check_tensor
@@ -65,12 +66,15 @@ from cpkv.integrations.megatron import PackedPlan, plan_from_packed_seq_params
 from cpkv.plan.attention import Exchange
 
 __all__ = [
-    "CP_COMM_TYPES", "PLAN_ATTRIBUTE", "CPKVCoreAttention", "megatron_exchange", "megatron_window", "plan_of",
+    "CP_COMM_TYPES", "PLAN_ATTRIBUTE", "STATUS_ATTRIBUTE", "CPKVCoreAttention", "megatron_exchange", "megatron_window", "plan_of",
     "use_cpkv_core_attention", "with_plan",
 ]
 
 PLAN_ATTRIBUTE = "cpkv_plan"
 """The attribute of ``packed_seq_params`` that :func:`with_plan` sets to a :class:`PackedPlan`."""
+
+STATUS_ATTRIBUTE = "cpkv_status"
+"""The attribute of ``packed_seq_params`` that :func:`with_plan` sets to the step's :class:`~cpkv.StepStatus`."""
 
 CP_COMM_TYPES: Mapping[str, Exchange] = MappingProxyType(
     {"allgather": "allgather", "all_gather": "allgather", "p2p": "need", "a2a": "need"}
@@ -88,7 +92,7 @@ def _planned_field(params: object) -> tuple[str, object]:
     return ("cu_seqlens_q", getattr(params, "cu_seqlens_q", None)) if padded is None else ("cu_seqlens_q_padded", padded)
 
 
-def with_plan(params: P, packed: PackedPlan) -> P:
+def with_plan(params: P, packed: PackedPlan, *, status: StepStatus | None = None) -> P:
     """A shallow copy of ``params`` that carries ``packed`` for every :class:`CPKVCoreAttention` call.
 
     Plan once per micro-batch (``plan_from_packed_seq_params(params, cp_size, cp_rank)``) and
@@ -99,6 +103,10 @@ def with_plan(params: P, packed: PackedPlan) -> P:
     Args:
         params: the micro-batch's ``megatron.core.packed_seq_params.PackedSeqParams`` (THD).
         packed: its :class:`~cpkv.integrations.megatron.PackedPlan` on this rank.
+        status: the step's :class:`~cpkv.StepStatus` (attribute :data:`STATUS_ATTRIBUTE`):
+            every layer reports to it, with no host sync; call ``status.check()`` on every
+            rank after the step's forward (e.g. in the loss function) and before
+            ``optimizer.step()``. ``None``: a layer's failed check raises at once on its rank.
 
     Returns:
         A copy of ``params`` (same class) with the attribute :data:`PLAN_ATTRIBUTE` set to ``packed``.
@@ -120,8 +128,11 @@ def with_plan(params: P, packed: PackedPlan) -> P:
     if not isinstance(packed, PackedPlan):
         raise TypeError(f"packed must be a PackedPlan from plan_from_packed_seq_params, got {type(packed).__name__}")
     _check_carried(params, packed)
+    if status is not None and not isinstance(status, StepStatus):
+        raise TypeError(f"status must be a cpkv.StepStatus or None, got {type(status).__name__}")
     carried = copy.copy(params)
     setattr(carried, PLAN_ATTRIBUTE, packed)
+    setattr(carried, STATUS_ATTRIBUTE, status)
     return carried
 
 
@@ -495,7 +506,7 @@ class CPKVCoreAttention(nn.Module):
             sinks = sinks.to(query.dtype)
         # All ng kv heads in one call: one exchange of keys and values, one kernel call per segment set.
         out = attention_forward(query, key, packed.plan, self.cp_group, spec=spec, v=value, sinks=sinks,
-                                backend=self._ops(query.device)).out
+                                backend=self._ops(query.device), status=getattr(packed_seq_params, STATUS_ATTRIBUTE, None)).out
         return out.reshape(t, num_heads * hv)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple[tuple[int, int, int], ...] = (),

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from cpkv.attention import AttentionSpec, attention_forward
+from cpkv.status import StepStatus
 from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_ndim, check_tensor
 from cpkv.collectives import Group
@@ -297,11 +298,12 @@ class DeepseekV4AttentionOutput(NamedTuple):
 def deepseek_v4_attention(
     module: Any, hidden_states: Tensor, plan: AttentionPlan, group: Group, *,
     backend: BackendName | AttentionBackend = "auto", indexer_loss: bool = False, grad_scale: float = 1.0,
-    rotary_emb: Any = None,
+    rotary_emb: Any = None, status: StepStatus | None = None,
 ) -> DeepseekV4AttentionOutput:
     """:func:`deepseek_v4_attention_forward` with the layer's indexer loss (for logging) beside its output.
 
-    Args and raises: as :func:`deepseek_v4_attention_forward`.
+    Args and raises: as :func:`deepseek_v4_attention_forward`; ``status``: the step's
+    :class:`~cpkv.status.StepStatus`, as in :func:`cpkv.attention_forward`.
 
     Returns:
         :class:`DeepseekV4AttentionOutput`: ``out`` ``[T/cp, hidden]`` and ``indexer_loss``.
@@ -329,6 +331,7 @@ def deepseek_v4_attention(
     result = attention_forward(
         q, kv, plan, group, spec=spec, sinks=module.sinks, hidden=hidden_states if compressor is not None else None,
         compressor=compressor, indexer=indexer, index_features=index_features, backend=backend, grad_scale=grad_scale,
+        status=status,
     )
     out = rope(result.out, positions, inverse=True)
     grouped = module.o_a_proj(out.reshape(num, int(module.config.o_groups), -1)).flatten(1)

@@ -51,6 +51,7 @@ from cpkv.integrations.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from cpkv.integrations.transformers import deepseek_v4_attention, deepseek_v4_plan_options
 from cpkv.plan.attention import AttentionPlan, Exchange, Layout, plan_attention
 from cpkv.plan.conventions import validate_cu_seqlens
+from cpkv.status import StepStatus
 
 __all__ = [
     "CONTEXT_KWARG",
@@ -80,6 +81,8 @@ class DeepseekV4CPContext:
         records: filled by the forward: layer index -> its indexer loss (``sum_t KL_t`` over
             this rank's queries, detached; ``None`` when the layer has none). A layer
             recomputed by activation checkpointing writes the same value again.
+        status: the :class:`~cpkv.StepStatus` every layer call reports to (no host sync in
+            a layer); check it after the forward. ``None``: each layer checks at once.
     """
 
     plan: AttentionPlan
@@ -88,6 +91,7 @@ class DeepseekV4CPContext:
     indexer_loss: bool = False
     grad_scale: float = 1.0
     records: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)
+    status: StepStatus | None = None
 
 
 def _is_attention(module: Any) -> bool:
@@ -134,7 +138,7 @@ def _cp_attention_forward(
         raise ValueError(f"attention dropout is not supported under CP, got config.attention_dropout={module.config.attention_dropout}")
     out, indexer_loss = deepseek_v4_attention(
         module, hidden_states[0], context.plan, context.group, backend=context.backend,
-        indexer_loss=context.indexer_loss, grad_scale=context.grad_scale, rotary_emb=rotary_emb,
+        indexer_loss=context.indexer_loss, grad_scale=context.grad_scale, rotary_emb=rotary_emb, status=context.status,
     )
     context.records[int(module.layer_idx)] = indexer_loss
     tie = _zero_tie(module)
@@ -397,7 +401,8 @@ def deepseek_v4_causal_lm_loss(
     elif check_ranks:
         check_same_on_all_ranks(cu, cp_group, options=plan.comparison_options(), fingerprint=fingerprint)
     ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
-    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale)
+    status = StepStatus(group)  # the layers report to it; checked once, after the forward
+    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale, status=status)
     count = global_valid_count(labels_local, group, ignore_index=ignore_index)
     normaliser = count if num_items_in_batch is None else num_items_in_batch
 
@@ -414,6 +419,7 @@ def deepseek_v4_causal_lm_loss(
             f"only {len(context.records)} of the model's {expected} attention layers ran under CP:"
             " call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
         )
+    status.check()  # a layer call that failed on any rank raises on every rank, before any backward
     logits = output.logits[0] if return_logits else None
     csa = [i for i in sorted(context.records) if config.layer_types[i] == "compressed_sparse_attention"] if indexer_loss else []
     kl = [context.records[i] for i in csa]

@@ -330,10 +330,11 @@ def plan_attention(
             compressor), 0 otherwise. A layer whose compressor or indexer declares more than
             planned raises before any collective; what it actually reads is not checked.
         check_modules: compressed layer calls check what every rank's compressor and indexer
-            returned (entry count and width, key width, query shapes) and agree on the outcome
-            with one all-reduce of two integers and a host read before any entry moves, so a
-            module that fails on one rank raises on every rank (:mod:`cpkv.agreement`).
-            ``False`` drops that collective (no host sync in a layer call): a failing module
+            returned (entry count and width, key width, query shapes) before any entry moves,
+            so a module that fails on one rank raises on every rank: at the step's
+            ``StepStatus.check()`` when the call has a status (no host sync in the call,
+            :mod:`cpkv.status`), else at once, agreed with one all-reduce of two integers and a
+            host read per call (:mod:`cpkv.agreement`). ``False`` drops both: a failing module
             then raises on its own rank only and the others wait until the collective timeout.
         group: the CP process group (``torch.distributed.group.WORLD`` for the default group),
             or ``None`` (default) to plan without communication. With a group, every rank

@@ -13,6 +13,7 @@ from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_ndim, check_tensor
 from cpkv.collectives import Group
 from cpkv.plan.attention import AttentionPlan
+from cpkv.status import StepStatus
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.v4.compressor import Compressor
 from cpkv.v4.indexer import Indexer
@@ -105,14 +106,17 @@ class V4Attention(nn.Module):
 
     def forward(
         self, x: Tensor, plan: AttentionPlan, group: Group, *,
-        backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0,
+        backend: BackendName | AttentionBackend = "auto", grad_scale: float = 1.0, status: StepStatus | None = None,
     ) -> LayerOutput:
         """The layer on this rank's shard ``x`` ``[T/cp, hidden]`` (in shard order) under CP.
 
         ``plan`` comes from :func:`cpkv.plan_attention` (once per micro-batch, with this
         layer's ``compress_ratio`` among ``compress_ratios`` and, for ``exchange="need"``, its
         window among ``windows``); it fixes the layout, exchange and rounds. For zigzag BSND,
-        pass ``x.flatten(0, 1)`` with a plan of :func:`cpkv.bsnd_cu_seqlens`.
+        pass ``x.flatten(0, 1)`` with a plan of :func:`cpkv.bsnd_cu_seqlens`. ``status``: the
+        step's :class:`~cpkv.status.StepStatus`, as in :func:`cpkv.attention_forward` (no host
+        sync in the call; a check that fails on this rank raises on every rank at
+        ``status.check()``).
         """
         check_ndim("x", check_tensor("x", x), 2, "[T/cp, hidden]")
         if x.shape[-1] != self.config.hidden:
@@ -129,7 +133,7 @@ class V4Attention(nn.Module):
         q, kv = self.project(x, plan.q_positions)
         result = attention_forward(
             q, kv, plan, group, spec=self.config.spec, sinks=self.sinks, hidden=x,
-            compressor=self.compressor, indexer=self.indexer, backend=backend, grad_scale=grad_scale,
+            compressor=self.compressor, indexer=self.indexer, backend=backend, grad_scale=grad_scale, status=status,
         )
         out: Tensor = self.wo(result.out.flatten(1))
         return LayerOutput(out, result.indexer_loss)
