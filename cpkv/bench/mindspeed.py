@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(bytes_table(args.tokens_per_rank, args.cps, args.mean_doc, Dims()), args.tokens_per_rank, args.mean_doc)
     print(text)
     if args.out.exists():
-        args.out.write_text(replace_section(args.out.read_text(encoding="utf-8"), text, BEGIN, END), encoding="utf-8")
+        args.out.write_text(replace_section(args.out.read_text(encoding="utf-8"), text, begin=BEGIN, end=END), encoding="utf-8")
     else:
         print(f"{args.out} does not exist: nothing written", file=sys.stderr)
     return 0
