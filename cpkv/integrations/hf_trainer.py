@@ -29,7 +29,8 @@ What it changes, and nothing else (docs/semantics.md, "Hugging Face's Trainer un
   ``Trainer`` logs is one process's loss of the step.
 * **checkpoint**: :func:`~cpkv.integrations.transformers_lm.enable_deepseek_v4_cp` renames
   nothing, so ``save_pretrained`` (and ``Trainer``'s checkpoints) hold Hugging Face's keys and
-  load into an unwrapped model; resuming continues as the uninterrupted run.
+  load into an unwrapped model; resuming restores every tensor in its saved dtype (float64
+  included) and continues as the uninterrupted run.
 
 Importing this module imports neither ``transformers`` nor ``accelerate`` (the mixin is a
 plain class until it is combined with a ``Trainer``); they are imported when it runs.

@@ -11,8 +11,9 @@ One spawn of 4 gloo ranks runs a plain training loop (3 AdamW steps, ``weight_de
 ``lr=1e-2``) under ``DistributedDataParallel`` over all 4 ranks at dp 1 x cp 4 and dp 2 x cp 2
 (need exchange, balanced layout), with the indexer loss off (``find_unused_parameters=True``:
 docs/integrations.md's choice) and on (``find_unused_parameters=False``: every parameter then
-gets a gradient on every rank), and once at dp 2 x cp 2 with the indexer frozen
-(``requires_grad_(False)``, ``find_unused_parameters=False``). Each CP group gets its own
+gets a gradient on every rank), once at dp 2 x cp 2 with the indexer frozen
+(``requires_grad_(False)``, ``find_unused_parameters=False``), and under FSDP2 (``fully_shard``)
+at dp 1 x cp 4 with the indexer loss off. Each CP group gets its own
 documents; the loss is normalised by the whole step's valid labels (``num_items_in_batch``)
 and multiplied by ``dp``, the indexer's ``grad_scale`` is ``dp * T_g / T`` (its KL is then
 averaged over the step's queries, as one process averages it over its batch).
@@ -83,13 +84,23 @@ def _presence(model: Any) -> dict[str, bool]:
 # --- the CP side, on every rank --------------------------------------------------------------
 
 
-def _train(model: Any, dp: int, cp_group: Any, dp_rank: int, *, indexer_loss: bool, find_unused: bool) -> dict[str, Any]:
-    """3 AdamW steps under DDP over the world; the parameters and step 1's gradient presence."""
+def _wrap(model: Any, wrapper: str) -> Any:
+    """DDP over the world (``find_unused_parameters`` as ``wrapper`` says), or FSDP2 (every layer, then the root)."""
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    if wrapper == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    return DistributedDataParallel(model, find_unused_parameters=wrapper == "ddp/find_unused")
+
+
+def _train(model: Any, dp: int, cp_group: Any, dp_rank: int, *, indexer_loss: bool, wrapper: str) -> dict[str, Any]:
+    """3 AdamW steps under ``wrapper`` over the world; the parameters and step 1's gradient presence."""
     from cpkv.integrations.transformers_lm import deepseek_v4_causal_lm_loss
 
-    ddp = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    wrapped = _wrap(model, wrapper)
     optimizer = _optimizer(model)
     result: dict[str, Any] = {}
     for step in range(len(STEPS)):
@@ -97,7 +108,7 @@ def _train(model: Any, dp: int, cp_group: Any, dp_rank: int, *, indexer_loss: bo
         mine = whole if dp == 1 else (a, b)[dp_rank]
         scale = dp * int(mine["cu"][-1]) / int(whole["cu"][-1])  # the KL averaged over the step's queries
         out = deepseek_v4_causal_lm_loss(
-            ddp, mine["ids"], cp_group, cu_seqlens=mine["cu"], labels=mine["labels"], layout="balanced", exchange="need",
+            wrapped, mine["ids"], cp_group, cu_seqlens=mine["cu"], labels=mine["labels"], layout="balanced", exchange="need",
             grad_reduction="mean", num_items_in_batch=whole["valid"], indexer_loss=indexer_loss, grad_scale=scale,
             backend="reference")
         (out.loss * dp).backward()
@@ -107,7 +118,7 @@ def _train(model: Any, dp: int, cp_group: Any, dp_rank: int, *, indexer_loss: bo
             result["hca_blocks"] = routes.own.num_entries + routes.straddle.num_entries
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     return result
 
 
@@ -145,16 +156,17 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
     solo = dist.new_group([0])
     meshes = {"dp1cp4": (1, None, 0), "dp2cp2": (2, pairs[rank // 2], rank // 2)}
-    models = {key: enable_deepseek_v4_cp(_model()) for key in ("reference", "short", "frozen", *(
+    models = {key: enable_deepseek_v4_cp(_model()) for key in ("reference", "short", "frozen", "fsdp2", *(
         f"{m}/{i}" for m in meshes for i in ("off", "on")))}  # built outside hf_oracle.lifted(): the init draws depend on it
     for name, param in models["frozen"].named_parameters():
         param.requires_grad_(".indexer." not in name)
     results: dict[str, Any] = {}
     with hf_oracle.lifted(), _no_mask():
         for mesh, (dp, group, dp_rank) in meshes.items():
-            results[f"{mesh}/off"] = _train(models[f"{mesh}/off"], dp, group, dp_rank, indexer_loss=False, find_unused=True)
-            results[f"{mesh}/on"] = _train(models[f"{mesh}/on"], dp, group, dp_rank, indexer_loss=True, find_unused=False)
-        results["frozen"] = _train(models["frozen"], 2, pairs[rank // 2], rank // 2, indexer_loss=False, find_unused=False)
+            results[f"{mesh}/off"] = _train(models[f"{mesh}/off"], dp, group, dp_rank, indexer_loss=False, wrapper="ddp/find_unused")
+            results[f"{mesh}/on"] = _train(models[f"{mesh}/on"], dp, group, dp_rank, indexer_loss=True, wrapper="ddp")
+        results["frozen"] = _train(models["frozen"], 2, pairs[rank // 2], rank // 2, indexer_loss=False, wrapper="ddp")
+        results["fsdp2"] = _train(models["fsdp2"], 1, None, 0, indexer_loss=False, wrapper="fsdp2")
         results["short"] = _short_batch(models["short"], None)
         if rank == 0:
             results["reference"] = _one_rank_reference(models["reference"], solo)
@@ -243,6 +255,20 @@ def test_a_frozen_indexer_trains_as_hugging_face_under_plain_ddp(four_ranks: lis
     """The other documented option: ``requires_grad_(False)`` on the indexer, ``find_unused_parameters=False``."""
     errors = _errors(four_ranks[0]["frozen"]["params"], one_process["params"])
     assert max(errors.values()) <= PARAM_REL, _worst(errors)
+
+
+def test_fsdp2_with_the_untrained_indexer_equals_hugging_face(four_ranks: list[dict[str, Any]],
+                                                               one_process: dict[str, Any]) -> None:
+    """FSDP2 (``fully_shard`` per layer and the root) at dp 1 x cp 4, no option: the indexer has no gradient on any rank.
+
+    FSDP2 reduce-scatters the gradients that exist, the same set on every rank here: the
+    indexer keeps ``None`` and AdamW skips it, as in one process.
+    """
+    got = four_ranks[0]["fsdp2"]
+    errors = _errors(got["params"], one_process["params"])
+    assert max(errors.values()) <= PARAM_REL, _worst(errors)
+    initial = dict(_model().named_parameters())
+    assert all(torch.equal(got["params"][n], p) for n, p in initial.items() if ".indexer." in n)
 
 
 def test_no_block_in_the_batch_gives_no_compressor_gradient(four_ranks: list[dict[str, Any]]) -> None:
