@@ -105,6 +105,7 @@ def _result(trainer: Any) -> dict[str, Any]:
     micro = trainer.micro_losses
     return {"losses": [a + b for a, b in zip(micro[::2], micro[1::2])], "micro": micro,
             "logged": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "grad_norms": [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry],
             "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
 
 
@@ -285,10 +286,15 @@ def _param_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
 
 
 def _check(got: dict[str, Any], want: dict[str, Any], steps: int = STEPS, param_rel: float = PARAM_REL) -> None:
-    """Recorded (float64) and logged (float32: Trainer sums in a float32 tensor) losses, and the parameters."""
+    """Recorded (float64) and logged (float32: Trainer sums in a float32 tensor) losses, logged gradient norms, parameters.
+
+    The gradient norm (before clipping, float64) sees a constant factor on a tensor's
+    gradient, which AdamW's update does not (it divides by ``sqrt(v)``).
+    """
     assert len(got["losses"]) == len(want["losses"]) == steps and len(got["micro"]) == steps * ACCUMULATION
     assert max(abs(a - b) for a, b in zip(got["micro"], want["micro"])) <= LOSS_ABS, (got["micro"], want["micro"])
     assert max(abs(a - b) / b for a, b in zip(got["logged"], want["logged"])) <= LOGGED_REL, (got["logged"], want["logged"])
+    assert len(got["grad_norms"]) == steps and max(abs(a - b) / b for a, b in zip(got["grad_norms"], want["grad_norms"])) <= 1e-8
     errors = _param_errors(got["params"], want["params"])
     assert max(errors.values()) <= param_rel, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     moved = _param_errors(want["params"], {n: p.detach() for n, p in _model().named_parameters()})
