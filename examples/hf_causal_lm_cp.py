@@ -93,7 +93,9 @@ def train_cp(rank: int, world: int, steps: int, ddp: bool, exchange: str, layout
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     wrapped: Any = model
     if ddp:  # DDP averages the gradients over the CP group: ask for grad_reduction="mean"
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+        # The indexer gets no gradient without indexer_loss=True (as in Hugging Face): DDP must be told
+        # (or freeze it with requires_grad_(False) and pass find_unused_parameters=False).
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     losses = []
     for step, packed in enumerate(loader):
         ids, cu_seqlens = batch(step)
@@ -101,9 +103,10 @@ def train_cp(rank: int, world: int, steps: int, ddp: bool, exchange: str, layout
                                          grad_reduction="mean" if ddp else "sum")
         assert torch.equal(out.labels, packed.labels) and torch.equal(ids[packed.plan.layout_ranges.local_tokens(rank)], packed.input_ids)
         out.loss.backward()
-        if not ddp:  # the replicated parameters' gradients: SUM over the CP group
+        if not ddp:  # the replicated parameters' gradients: SUM over the CP group (None on every rank alike: skip)
             for param in model.parameters():
-                dist.all_reduce(param.grad)
+                if param.grad is not None:
+                    dist.all_reduce(param.grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(out.lm_loss))

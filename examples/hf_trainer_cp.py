@@ -48,7 +48,7 @@ def arguments(output_dir: str, steps: int, per_device: int) -> Any:
     return TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=ACCUMULATION,
         max_steps=steps, learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        disable_tqdm=True, seed=0, ddp_find_unused_parameters=False,
+        disable_tqdm=True, seed=0,  # Trainer's ddp_find_unused_parameters (True): HF's indexer gets no gradient
     )
 
 

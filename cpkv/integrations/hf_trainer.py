@@ -29,7 +29,8 @@ What it changes, and nothing else (docs/semantics.md, "Hugging Face's Trainer un
   ``Trainer`` logs is one process's loss of the step.
 * **checkpoint**: :func:`~cpkv.integrations.transformers_lm.enable_deepseek_v4_cp` renames
   nothing, so ``save_pretrained`` (and ``Trainer``'s checkpoints) hold Hugging Face's keys and
-  load into an unwrapped model; resuming continues as the uninterrupted run.
+  load into an unwrapped model; resuming restores every tensor in its saved dtype (float64
+  included) and continues as the uninterrupted run.
 
 Importing this module imports neither ``transformers`` nor ``accelerate`` (the mixin is a
 plain class until it is combined with a ``Trainer``); they are imported when it runs.
@@ -38,6 +39,9 @@ plain class until it is combined with a ``Trainer``); they are imported when it 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -240,6 +244,50 @@ def global_num_items(batches: Sequence[Mapping[str, Any]], mesh: DataCPMesh, dev
     return count // mesh.cp_size
 
 
+def _saved_values(loaded: Any, checkpoint: str, rounded: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint's own values of the tensors ``from_pretrained`` built in another dtype, as saved.
+
+    Args:
+        loaded: the model ``from_pretrained`` read from ``checkpoint``.
+        checkpoint: the directory (``model.safetensors``, or shards listed in
+            ``model.safetensors.index.json``).
+        rounded: model name -> the tensor ``from_pretrained`` gave (in its dtype).
+
+    Returns:
+        model name -> the tensor as saved (its dtype), for every name of ``rounded``; empty
+        when ``rounded`` is, or when the checkpoint holds no safetensors (a warning: the
+        values stay ``from_pretrained``'s).
+
+    Raises:
+        RuntimeError: a name that does not map to one checkpoint key, or a saved value that,
+            cast to ``from_pretrained``'s dtype, is not the value it gave.
+    """
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    single = os.path.join(checkpoint, "model.safetensors")
+    if not rounded:
+        return {}
+    if not os.path.isfile(index) and not os.path.isfile(single):
+        warnings.warn(f"{checkpoint} holds no safetensors: {len(rounded)} tensors resume in from_pretrained's dtype", stacklevel=3)
+        return {}
+    from safetensors import safe_open
+    from transformers.core_model_loading import revert_weight_conversion
+
+    files: dict[str, str] | None = None  # sharded: checkpoint key -> its file
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as stream:
+            files = json.load(stream)["weight_map"]
+    values: dict[str, Tensor] = {}
+    for name, tensor in rounded.items():
+        keys = list(revert_weight_conversion(loaded, {name: tensor}))  # the checkpoint's name of this tensor
+        if len(keys) != 1 or (files is not None and keys[0] not in files):
+            raise RuntimeError(f"{name} maps to checkpoint keys {keys}, not to one key of {checkpoint}")
+        with safe_open(single if files is None else os.path.join(checkpoint, files[keys[0]]), "pt") as saved:
+            values[name] = saved.get_tensor(keys[0])
+        if not torch.equal(values[name].to(tensor.dtype), tensor):
+            raise RuntimeError(f"{name}: the checkpoint's {keys[0]} is not the value from_pretrained loaded")
+    return values
+
+
 class CPTrainerMixin(_TrainerBase):
     """Put before ``transformers.Trainer`` (or a subclass) in a class's bases to train ``DeepseekV4ForCausalLM`` under CP.
 
@@ -263,6 +311,18 @@ class CPTrainerMixin(_TrainerBase):
             :func:`cpkv.plan_attention`. The model's own cost and windows are planned
             (:func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`).
         backend: the attention backend, as in :func:`cpkv.attention_forward`.
+        indexer_loss: train the CSA layers' indexers with cpkv's KL loss (default ``False``:
+            the indexer gets no gradient, as in Hugging Face). Its KL is summed over the
+            step's queries and divided by the step's ``num_items_in_batch`` (the language
+            loss's normaliser), so its gradient, like the language loss's, does not depend on
+            how the step splits into micro-batches, CP groups or ranks.
+
+    Parameters without a gradient: without ``indexer_loss`` the indexers get none, and a
+    compressor gets none from a micro-batch without a block of its ratio (as in one process).
+    ``Trainer``'s default ``ddp_find_unused_parameters`` (``True`` for a ``PreTrainedModel``
+    without activation checkpointing) handles both; with ``False`` freeze the indexers
+    (``requires_grad_(False)``, then the optimizer skips them as it skips Hugging Face's)
+    and feed every micro-batch a block of every ratio (docs/integrations.md).
 
     Attributes:
         cp_mesh: the :class:`DataCPMesh`, built in ``__init__`` (after ``Trainer`` set up
@@ -282,12 +342,14 @@ class CPTrainerMixin(_TrainerBase):
     def __init__(
         self, model: Any = None, args: Any = None, *more: Any, cp: int | ProcessGroup | Any = 1,
         layout: Layout = "balanced", exchange: Exchange = "need", backend: BackendName | AttentionBackend = "auto",
-        **kwargs: Any,
+        indexer_loss: bool = False, **kwargs: Any,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if exchange not in ("allgather", "need"):
             raise ValueError(f"exchange must be 'allgather' or 'need', got {exchange!r}")
+        if not isinstance(indexer_loss, bool):
+            raise TypeError(f"indexer_loss must be a bool, got {type(indexer_loss).__name__}")
         config = getattr(args, "parallelism_config", None)
         if config is not None and getattr(config, "cp_size", 1) > 1:
             raise ValueError(
@@ -300,6 +362,7 @@ class CPTrainerMixin(_TrainerBase):
         self.cp_layout: Layout = layout
         self.cp_exchange: Exchange = exchange
         self.cp_backend: BackendName | AttentionBackend = backend
+        self.cp_indexer_loss = indexer_loss
         self.cp_mesh = data_cp_mesh(cp, device_type=self.args.device.type)
 
     def get_train_dataloader(self) -> Any:
@@ -330,6 +393,8 @@ class CPTrainerMixin(_TrainerBase):
         """
         batch = packed_batch(inputs)
         count = global_num_items([inputs], self.cp_mesh, batch.input_ids.device) if num_items_in_batch is None else num_items_in_batch
+        # The indexer's KL: the call divides it by this batch's queries; the step's is over its valid labels (x dp: DDP's mean).
+        indexer_scale = self.cp_mesh.dp_size * batch.input_ids.numel() / max(int(count), 1) if self.cp_indexer_loss else 1.0
         ids, labels, cu, padding = batch.input_ids, batch.labels, batch.cu_seqlens, None
         if self.cp_layout != "balanced":
             multiple = self.cp_mesh.cp_size * (2 if self.cp_layout == "zigzag" else 1)
@@ -338,7 +403,7 @@ class CPTrainerMixin(_TrainerBase):
         return deepseek_v4_causal_lm_loss(
             model, ids, self.cp_mesh.cp_group, cu_seqlens=cu, labels=labels, layout=self.cp_layout,
             exchange=self.cp_exchange, grad_reduction="mean", num_items_in_batch=count, ignore_index=IGNORE_INDEX,
-            backend=self.cp_backend, padding=padding,
+            backend=self.cp_backend, padding=padding, indexer_loss=self.cp_indexer_loss, grad_scale=indexer_scale,
         )
 
     def compute_loss(
@@ -364,13 +429,17 @@ class CPTrainerMixin(_TrainerBase):
         reads ``config.json`` as a base ``PreTrainedConfig``, which rejects DeepSeek-V4's
         ``mlp_layer_types``). Here the model's class reads the checkpoint
         (``from_pretrained``, with the model's config and dtype; for a moment a second copy
-        of the weights on the CPU) and the model takes its ``state_dict`` strictly: the
-        values ``from_pretrained`` gives (it creates DeepSeek-V4's hyper-connection, norm and
-        position-bias parameters in float32, so a float64 model resumes with those rounded).
-        Other models (PEFT adapters, FSDP, DeepSpeed) go to ``Trainer``'s.
+        of the weights on the CPU) and the model takes its ``state_dict`` strictly. Where
+        ``from_pretrained`` built a tensor in another dtype than the model's (it creates
+        DeepSeek-V4's norms, hyper-connection weights, sinks and position biases in float32
+        whatever ``dtype`` says), the value is read from the checkpoint itself
+        (:func:`_saved_values`) in the dtype it was saved in: a float64 model resumes with
+        its float64 values, bit for bit. Other models (PEFT adapters, FSDP, DeepSpeed) go to
+        ``Trainer``'s.
 
         Raises:
-            RuntimeError: the checkpoint's weights do not fit the model (``load_state_dict``).
+            RuntimeError: the checkpoint's weights do not fit the model (``load_state_dict``),
+                or a re-read value is not the one ``from_pretrained`` rounded.
         """
         target: Any = self.model if model is None else model
         load = getattr(type(target), "from_pretrained", None)
@@ -378,7 +447,9 @@ class CPTrainerMixin(_TrainerBase):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
         loaded = load(resume_from_checkpoint, config=target.config, dtype=target.dtype)
-        target.load_state_dict(loaded.state_dict())
+        state, own = loaded.state_dict(), target.state_dict()
+        state.update(_saved_values(loaded, resume_from_checkpoint, {n: t for n, t in state.items() if n in own and t.dtype != own[n].dtype}))
+        target.load_state_dict(state)
 
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
         """Not supported under CP yet (the evaluation loop gathers per-rank logits and samples over the world)."""

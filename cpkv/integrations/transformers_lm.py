@@ -98,17 +98,31 @@ def _is_attention(module: Any) -> bool:
     return all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
 
 
-def _zero_tie(module: Any) -> Tensor | None:
-    """A 0-d zero that depends on every parameter of the compressor (and indexer): each gets a (zero) gradient.
+def _gradient_tie(module: Any, context: DeepseekV4CPContext) -> Tensor | None:
+    """A 0-d zero that depends on the layer's parameters one process gives a gradient but this rank may not run.
 
-    A rank whose shard holds no block of a compressed layer does not run its compressor, so
-    those parameters would get no gradient there (``None``), and a DDP reducer without
-    ``find_unused_parameters=True`` fails. Empty slices give exact zeros (no ``0 * x``, so no
-    NaN from an inf).
+    One process (Hugging Face's model, each document alone) runs a compressed layer's
+    compressor on every document, and its parameters get a gradient when some document holds
+    a complete block of the layer's ratio. The indexer returns integer indices: its
+    parameters get a gradient only from cpkv's indexer loss. Under CP a rank whose shard
+    holds no block does not run the compressor (nor the indexer), so the parameters one
+    process trains are tied to the layer's output with a zero: every rank of the CP group
+    gives them a gradient (zeros here), or none does. Tied: the compressor's own parameters
+    when a document of the micro-batch (``plan.layout_ranges.cu_seqlens``, padding included)
+    has at least ``ratio`` tokens; the indexer's too with ``context.indexer_loss``. Never the
+    indexer's without it: ``None`` there, as in Hugging Face, so an optimizer skips them (no
+    weight decay, no moment update). Empty slices give exact zeros (no ``0 * x``, so no NaN
+    from an inf).
     """
-    if module.compressor is None or not torch.is_grad_enabled():
+    compressor = module.compressor
+    if compressor is None or not torch.is_grad_enabled():
         return None
-    terms = [p.reshape(-1)[:0].sum() for p in module.compressor.parameters() if p.requires_grad]
+    lengths = torch.diff(context.plan.layout_ranges.cu_seqlens)
+    if not bool((lengths >= int(compressor.compress_rate)).any()):
+        return None  # no block in the micro-batch: one process's compressor gets no gradient either
+    indexer = getattr(compressor, "indexer", None)
+    untrained = set() if context.indexer_loss or indexer is None else {id(p) for p in indexer.parameters()}
+    terms = [p.reshape(-1)[:0].sum() for p in compressor.parameters() if p.requires_grad and id(p) not in untrained]
     return torch.stack(terms).sum() if terms else None
 
 
@@ -141,7 +155,7 @@ def _cp_attention_forward(
         indexer_loss=context.indexer_loss, grad_scale=context.grad_scale, rotary_emb=rotary_emb, status=context.status,
     )
     context.records[int(module.layer_idx)] = indexer_loss
-    tie = _zero_tie(module)
+    tie = _gradient_tie(module, context)
     return (out if tie is None else out + tie.to(out.dtype))[None], None
 
 
@@ -152,9 +166,14 @@ def enable_deepseek_v4_cp(model: Any) -> Any:
     :class:`DeepseekV4CPContext`), runs the layer through cpkv on this rank's tokens (RoPE
     from the model's ``rotary_emb`` at ``plan.q_positions``), and otherwise calls Hugging
     Face's forward unchanged. The modules keep their class, names and parameters, so
-    ``state_dict`` keys are those of the model as loaded. Compressor (and indexer) parameters
-    get a zero gradient on ranks that hold no block of their layer. Call it once, before
-    wrapping the model (DDP, FSDP, ``torch.compile``); calling it again changes nothing.
+    ``state_dict`` keys are those of the model as loaded. A parameter gets a gradient on
+    every rank of the CP group or on none, and exactly when one process gives it one: a
+    compressor's on ranks that hold no block of its layer too (zeros), when the micro-batch
+    has a block of its ratio; the indexer's only with ``indexer_loss=True`` (as in Hugging
+    Face, which never trains it). Parameters without a gradient need the wrapper's option
+    for them (docs/integrations.md: DDP's ``find_unused_parameters=True``, or freeze the
+    indexer). Call it once, before wrapping the model (DDP, FSDP, ``torch.compile``);
+    calling it again changes nothing.
 
     Args:
         model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (any module holding one).

@@ -16,6 +16,9 @@ from unittest import mock
 import torch
 
 
+_FLOAT = torch.Tensor.float  # as installed, whatever is patched later
+
+
 class LiftedTorch:
     """``torch`` as HF's DeepSeek-V4 module sees it with its float32 casts lifted to float64."""
 
@@ -32,6 +35,15 @@ def lifted() -> Iterator[None]:
     from transformers.models.deepseek_v4 import modeling_deepseek_v4
 
     with mock.patch.object(modeling_deepseek_v4, "torch", LiftedTorch()), mock.patch.object(torch.Tensor, "float", torch.Tensor.double):
+        yield
+
+
+@contextlib.contextmanager
+def shipped() -> Iterator[None]:
+    """Inside :func:`lifted`: HF's module as installed again (its float32 casts; ``from_pretrained``'s float32 tensors)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4
+
+    with mock.patch.object(modeling_deepseek_v4, "torch", torch), mock.patch.object(torch.Tensor, "float", _FLOAT):
         yield
 
 

@@ -435,7 +435,7 @@ def test_loss_and_gradients_match_hf_per_document(cp_run: tuple[int, dict[str, A
     """Loss, logged loss, valid count and every gradient (summed over the ranks) equal HF's, each document alone."""
     _cp, results = cp_run
     got, want = results[case], _hf(RUNS[case])
-    assert got["missing"] == [], "every parameter gets a gradient, zeros where unused"
+    assert set(got["missing"]) == want["untrained"], "a gradient exactly where HF gives one (zeros where a rank runs none)"
     assert abs(got["loss"] - want["loss"]) <= LOSS_ABS and abs(got["lm_loss"] - want["loss"]) <= LOSS_ABS
     assert got["num_tokens"] == want["count"]
     errors = _grad_errors(got["grads"], want["grads"])
@@ -485,7 +485,7 @@ def test_checkpointing_two_forwards_before_one_backward(cp_run: tuple[int, dict[
 def test_compiled_attention_matches_hf(cp_runs: dict[int, dict[str, Any]]) -> None:
     """The attention modules under ``torch.compile`` (aot_eager: Dynamo and AOTAutograd) at cp 2."""
     got, want = cp_runs[2]["compiled"], _hf("main")
-    assert got["missing"] == [] and abs(got["loss"] - want["loss"]) <= LOSS_ABS
+    assert set(got["missing"]) == want["untrained"] and abs(got["loss"] - want["loss"]) <= LOSS_ABS
     errors = _grad_errors(got["grads"], want["grads"])
     assert max(errors.values()) <= GRAD_REL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
@@ -509,7 +509,7 @@ def test_whole_model_compiles() -> None:
     """``torch.compile(model)`` of the whole CP model at cp 2 equals the eager CP model (itself HF's, above)."""
     result = spawn(_compiled_model, 2, timeout=500.0)[0]
     got, want = result["compiled"], result["eager"]
-    assert got["missing"] == [] and abs(got["loss"] - want["loss"]) <= LOSS_ABS
+    assert got["missing"] == want["missing"] and abs(got["loss"] - want["loss"]) <= LOSS_ABS
     errors = _grad_errors(got["grads"], want["grads"])
     assert max(errors.values()) <= GRAD_REL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
