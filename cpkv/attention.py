@@ -454,7 +454,7 @@ def _check_inputs(
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     spec.validate()
-    check_group("group", group)
+    group = check_group("group", group)
     _check_finite("grad_scale", grad_scale)
     check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
     if check_tensor("kv", kv).ndim not in (2, 3):
