@@ -27,7 +27,7 @@ difference at every step: the same math in another summation order, whose float3
 AdamW carries on), the bf16 run within ``BF16_TOL``; ``--plot`` draws the curves
 (docs/fsdp2_loss.png is this script's default output). Needs ``pip install 'cpkv[transformers]'``::
 
-    python examples/fsdp2_cp.py                       # 4 spawned gloo ranks, 30 steps, writes docs/fsdp2_loss.png
+    python examples/fsdp2_cp.py                       # 4 spawned gloo ranks, 24 steps, writes docs/fsdp2_loss.png
     python examples/fsdp2_cp.py --steps 2 --plot ""   # what CI runs
     torchrun --nproc-per-node 4 examples/fsdp2_cp.py --runs dp2xcp2-bf16 --plot ""   # under torchrun
 """
@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-VOCAB, TOKENS, MICRO, LR = 256, 128, 2, 3e-3  # MICRO micro-batches of TOKENS bytes per optimizer step
+VOCAB, TOKENS, MICRO, LR = 256, 128, 2, 1e-3  # MICRO micro-batches of TOKENS bytes per optimizer step
 RUNS = {"dp1xcp4": (1, 4, "float32"), "dp2xcp2": (2, 2, "float32"), "dp2xcp2-bf16": (2, 2, "bfloat16")}
-FP32_TOL, BF16_TOL = 1e-4, 3e-2
+FP32_TOL, BF16_TOL = 1e-3, 5e-2
 DEFAULT_PLOT = str(Path(__file__).resolve().parents[1] / "docs" / "fsdp2_loss.png")
 
 
@@ -128,7 +128,10 @@ def sharded_model(mesh: Any, dtype: str) -> tuple[Any, Any]:
     from cpkv.integrations.transformers_lm import enable_deepseek_v4_cp
 
     model = enable_deepseek_v4_cp(build_model())  # first: the attention modules get cpkv's forward
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan's way; DeviceMesh has no public flatten yet
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bfloat16" else None
     options = {} if policy is None else {"mp_policy": policy}
@@ -268,6 +271,7 @@ def plot(path: str, results: dict[str, Any], single: list[float]) -> None:
         bottom.semilogy(steps, [abs(a - b) / b or float("nan") for a, b in zip(result["losses"], single)], style, ms=4,
                         label=run)
     bottom.axhline(FP32_TOL, color="k", ls="--", lw=1, label=f"float32 tolerance {FP32_TOL:g}")
+    bottom.axhline(BF16_TOL, color="g", ls=":", lw=1, label=f"bf16 tolerance {BF16_TOL:g}")
     top.set_ylabel("loss (bytes of the stdlib's .py files)")
     top.legend()
     bottom.set_ylabel("relative difference")
@@ -298,7 +302,7 @@ def check(results: dict[str, Any], single: list[float], save_at: int) -> list[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps (default 24)")
     parser.add_argument("--save-at", type=int, help="checkpoint after this many steps (default: steps - 2)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="the CP runs (default all)")
     parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH", help="the loss curves' PNG ('' for none)")
