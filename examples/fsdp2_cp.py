@@ -322,10 +322,24 @@ def main(argv: list[str] | None = None) -> int:
         if rank:
             return 0
     else:
+        # Imported once, here: the forked ranks share them.
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import transformers.models.deepseek_v4.modeling_deepseek_v4  # noqa: F401
+
+        import cpkv.integrations.collate  # noqa: F401
+        import cpkv.integrations.transformers_lm  # noqa: F401
+
         with tempfile.TemporaryDirectory() as directory:
-            torch.multiprocessing.spawn(rank_main, args=(4, args.runs, args.steps, save_at, directory), nprocs=4)
+            # Forked ranks share this process's imports; it has run no torch op yet, so no thread pool is forked.
+            ranks = torch.multiprocessing.start_processes(
+                rank_main, args=(4, args.runs, args.steps, save_at, directory), nprocs=4, join=False, start_method="fork")
+            single = train_single(args.steps)  # meanwhile, the same steps in this process
+            while not ranks.join():
+                pass
             results = json.loads(Path(directory, "results.json").read_text())
-    single = train_single(args.steps)
+    if "RANK" in os.environ:
+        single = train_single(args.steps)
     problems = check(results, single, save_at)
     if args.plot:
         plot(args.plot, results, single)
