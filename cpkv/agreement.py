@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpkv.collectives import BackwardOrder, Group, group_name, resolve_group
+from cpkv.collectives import BackwardOrder, Group, check_group, group_name, resolve_group
 
 _KINDS: tuple[tuple[str, type[Exception]], ...] = (("ValueError", ValueError), ("TypeError", TypeError))
 
 
 def group_device(group: Group) -> torch.device:
     """Where a small collective of ``group`` runs: the CPU for gloo, else the current accelerator."""
-    backend = str(dist.get_backend(group))
+    backend = str(dist.get_backend(check_group("group", group)))
     accelerator = torch.accelerator.current_accelerator()
     if "gloo" in backend or accelerator is None:
         return torch.device("cpu")
@@ -76,7 +76,7 @@ def agree(error: BaseException | None, group: Group) -> None:
         rank and quoting its message.
     """
     try:
-        _agree(describe(error) if error is not None else "", group)
+        _agree(describe(error) if error is not None else "", check_group("group", group))
     except (ValueError, TypeError, RuntimeError):
         if error is not None:
             raise error from None

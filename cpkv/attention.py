@@ -532,7 +532,7 @@ def _check_call(
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     spec.validate()
-    check_group("group", group)
+    group = check_group("group", group)
     _check_finite("grad_scale", grad_scale)
     check_ndim("q", check_tensor("q", q), 3, "[T/cp, H, D]")
     _check_form(kv, v, spec)

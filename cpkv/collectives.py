@@ -29,16 +29,22 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from cpkv.checks import check_tensor
 
-Group = ProcessGroup | None
-"""A process group; ``None`` means the default (world) group."""
+Group = ProcessGroup | DeviceMesh | None
+"""What a public function takes as its CP group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (e.g.
+``mesh["cp"]``, resolved to its group by :func:`check_group`), or ``None`` (the default group)."""
+
+ProcessGroupOrNone = ProcessGroup | None
+"""A resolved group (what :func:`check_group` returns): a process group, ``None`` the default group."""
 
 
 def group_name(group: Group) -> str:
-    """The registered name of ``group`` (``None``: the default group)."""
-    resolved = group if group is not None else dist.group.WORLD
+    """The registered name of ``group`` (``None``: the default group; a 1-D mesh: its group)."""
+    checked = check_group("group", group)
+    resolved = checked if checked is not None else dist.group.WORLD
     if resolved is None:
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
     return resolved.group_name
@@ -201,7 +207,7 @@ def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> T
     :class:`BackwardOrder` chain. No checks here (callers validate first).
     """
     token = order.token if order is not None else x.new_zeros((), dtype=torch.float32)
-    out, token = _all_gather(x, token, group_name(group), dist.get_world_size(group))
+    out, token = _all_gather(x, token, group_name(group), dist.get_world_size(check_group("group", group)))
     if order is not None:
         order.token = token
     gathered: Tensor = out
@@ -210,7 +216,8 @@ def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> T
 
 def reduce_scatter(x: Tensor, group: Group) -> Tensor:
     """Non-differentiable reduce-scatter (sum) along dim 0, ``[world * n, ...] -> [n, ...]``."""
-    result, _token = _reduce_scatter(x, x.new_zeros((), dtype=torch.float32), group_name(group), dist.get_world_size(group))
+    result, _token = _reduce_scatter(x, x.new_zeros((), dtype=torch.float32), group_name(group),
+                                    dist.get_world_size(check_group("group", group)))
     out: Tensor = result
     return out
 
@@ -235,16 +242,40 @@ def exchange(
 # ------------------------------------------------------------------ group checks
 
 
-def check_group(name: str, group: object) -> Group:
-    """Return ``group`` if it is a process group or ``None`` (the default group), else raise ``TypeError``."""
-    if group is not None and not isinstance(group, ProcessGroup):
-        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None (the default group), got {type(group).__name__}")
-    return group
+def check_group(name: str, group: object) -> ProcessGroupOrNone:
+    """The process group ``group`` names: itself, a 1-D ``DeviceMesh``'s group, or ``None`` (the default group).
+
+    Every public function that takes a group calls it once, at entry, and uses what it returns.
+
+    Args:
+        name: the argument's name, for the message.
+        group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (``mesh["cp"]``), or ``None``.
+
+    Returns:
+        The ``ProcessGroup`` (``None`` stays ``None``).
+
+    Raises:
+        ValueError: a ``DeviceMesh`` of more than one dimension (pass its CP slice, ``mesh["cp"]``).
+        TypeError: anything else.
+    """
+    if group is None or isinstance(group, ProcessGroup):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{name} must be a 1-D DeviceMesh (e.g. mesh[\"cp\"]), got a {group.ndim}-D mesh with dimensions"
+                f" {group.mesh_dim_names}"
+            )
+        resolved: ProcessGroup = group.get_group()
+        return resolved
+    raise TypeError(
+        f"{name} must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or None (the default group), got {type(group).__name__}"
+    )
 
 
 def check_group_position(group: Group, cp_size: int, cp_rank: int) -> None:
     """Raise ``ValueError`` unless this process is rank ``cp_rank`` of a group of ``cp_size`` ranks."""
-    check_group("group", group)
+    group = check_group("group", group)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if (size, rank) != (cp_size, cp_rank):
         raise ValueError(f"cp_size={cp_size}, cp_rank={cp_rank} do not match the group (size {size}, this rank {rank})")
@@ -289,7 +320,7 @@ def check_same_on_all_ranks(
         >>> check_same_on_all_ranks(cu_seqlens, cp_group)  # doctest: +SKIP
     """
     check_tensor("cu_seqlens", cu_seqlens)
-    check_group("group", group)
+    group = check_group("group", group)
     if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu_seqlens.dtype}")
     where = device or cu_seqlens.device

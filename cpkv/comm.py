@@ -52,7 +52,7 @@ def gather_from_sp_cp(
             ``tnd=False`` a gathered length not divisible by ``2 * cp``.
     """
     check_tensor("x", x)
-    check_group("group", group)
+    group = check_group("group", group)
     dim = check_dim("dim", dim, x.ndim)
     check_int("tp_size", tp_size, minimum=1)
     world = dist.get_world_size(group)
@@ -107,7 +107,7 @@ def global_num_seqs(
     if count < 0:
         raise ValueError(f"local_num_tokens must be >= 0, got {count}")
     total = torch.tensor([count], dtype=torch.int64, device=device)
-    check_group("group", group)
+    group = check_group("group", group)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return int(total.item())
 

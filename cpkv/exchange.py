@@ -33,7 +33,7 @@ def exchange_rows(x: Tensor, routes: Routes, group: Group, *, order: BackwardOrd
         TypeError: ``x`` not a tensor, ``routes`` not :class:`Routes`, ``group`` not a process group.
     """
     check_tensor("x", x)
-    check_group("group", group)
+    group = check_group("group", group)
     if not isinstance(routes, Routes):
         raise TypeError(f"routes must be Routes from an AttentionPlan, got {type(routes).__name__}")
     if routes.num_send and x.ndim == 0:

@@ -30,12 +30,12 @@ from cpkv.plan import seqlens_to_cu_seqlens
 VOCAB, TOKENS = 128, 96  # 96 tokens a micro-batch: divisible by cp 1-4 (and 6, 8, 12)
 
 
-def build_model() -> Any:
+def build_model(vocab_size: int = VOCAB) -> Any:
     """A tiny float32 DeepSeek-V4 causal LM with random weights (the same on every rank: fixed seed)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     config = DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=32, q_lora_rank=32,
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=32, q_lora_rank=32,
         o_groups=2, o_lora_rank=16, sliding_window=8, partial_rotary_factor=0.25,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe"],
@@ -53,7 +53,7 @@ def build_model() -> Any:
         for name, param in model.named_parameters():
             if name.endswith("sinks") or name.endswith("position_bias"):
                 param.normal_(generator=gen)
-        table = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(VOCAB)])
+        table = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(vocab_size)])
         model.model.layers[0].mlp.gate.tid2eid.copy_(table)
     return model
 

@@ -260,7 +260,7 @@ def global_valid_count(labels: Tensor, group: Group, *, ignore_index: int = -100
         TypeError: not an integer tensor, or ``group`` not a process group.
     """
     check_int_dtype("labels", check_tensor("labels", labels))
-    check_group("group", group)
+    group = check_group("group", group)
     count = (labels != ignore_index).sum().to(torch.int64)
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return count
@@ -274,7 +274,7 @@ def grad_reduction_scale(grad_reduction: GradReduction, group: Group) -> int:
     """
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {list(GRAD_REDUCTIONS)}, got {grad_reduction!r}")
-    return 1 if grad_reduction == "sum" else dist.get_world_size(group)
+    return 1 if grad_reduction == "sum" else dist.get_world_size(check_group("group", group))
 
 
 def causal_lm_loss(
@@ -396,6 +396,7 @@ def check_given_plan(plan: object, cu_seqlens: Tensor, group: Group, *, padding:
     """
     if not isinstance(plan, AttentionPlan):
         raise TypeError(f"plan must be an AttentionPlan (cpkv.plan_attention), got {type(plan).__name__}")
+    group = check_group("group", group)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if (plan.cp_size, plan.cp_rank) != (size, rank):
         raise ValueError(f"plan is rank {plan.cp_rank} of {plan.cp_size}, but this is rank {rank} of the group's {size}")

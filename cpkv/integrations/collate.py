@@ -20,7 +20,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+import torch.distributed as dist
+
 from cpkv.checks import check_int, check_rank
+from cpkv.collectives import Group, check_group
 from cpkv.integrations.causal_lm import cu_seqlens_from_position_ids, shift_labels
 from cpkv.plan.attention import LAYOUTS, AttentionPlan, Exchange, Layout, plan_attention
 
@@ -195,6 +198,27 @@ class PackedCPCollator:
         if self.layout == "balanced" and self.plan_options.get("cost_model") is None:
             raise ValueError("layout='balanced' balances the model's cost: pass plan_options={'cost_model': ...}"
                              " (deepseek_v4_plan_options(config), or CostModel.from_hf_config(config)), or another layout")
+
+    @classmethod
+    def for_group(cls, group: Group, **fields: Any) -> PackedCPCollator:
+        """The collator of this rank of ``group`` (a ``ProcessGroup``, a 1-D ``DeviceMesh`` such as ``mesh["cp"]``, or ``None``).
+
+        Reads the group's size and this rank's position once, in the calling process; the
+        collator itself holds only integers, so data-loader workers (forked or spawned) need
+        no process group.
+
+        Args:
+            group: the CP group.
+            **fields: the other fields (``layout``, ``exchange``, ``plan_options``, ``ignore_index``).
+
+        Raises:
+            TypeError, ValueError: what :func:`~cpkv.collectives.check_group` and the constructor reject.
+
+        Example:
+            >>> collate = PackedCPCollator.for_group(mesh["cp"], layout="balanced")  # doctest: +SKIP
+        """
+        resolved = check_group("group", group)
+        return cls(dist.get_world_size(resolved), dist.get_rank(resolved), **fields)
 
     def __call__(self, features: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> PackedCPBatch:
         """This rank's :class:`PackedCPBatch` of the packed examples (CPU tensors)."""

@@ -128,7 +128,8 @@ def data_cp_mesh(cp: int | ProcessGroup | Any, *, device_type: str = "cpu") -> D
             * a ``ProcessGroup``: this rank's CP group; the groups of all ranks must split the
               world into groups of one size;
             * a ``torch.distributed.DeviceMesh`` with a ``"cp"`` dimension (its other dimensions
-              are data parallel);
+              are data parallel), or its 1-D slice ``mesh["cp"]`` (what every cpkv function
+              taking a CP group accepts too: :func:`cpkv.collectives.check_group`);
             * an accelerate ``ParallelismConfig`` (``cp_size``, data-parallel sizes; no tensor or
               sequence parallelism): its device mesh (built for ``device_type`` if it has none).
         device_type: the device type a ``ParallelismConfig`` builds its mesh for (``"cpu"``

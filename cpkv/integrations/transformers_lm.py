@@ -13,6 +13,15 @@ layer: no global state and no plan on a module, so activation checkpointing (whi
 layer with the keyword arguments of its own forward) recomputes each micro-batch with its
 own plan, however many forwards run before a backward.
 
+What the layers hand back (their indexer losses, and the count of layers that ran under CP)
+goes into the context's :class:`LayerRecords`, one object per call that wrappers pass
+through by reference. FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` (through
+``torch.distributed.utils._apply_to_tensors``) rebuilds every dataclass and dict of the
+forward's arguments, at the root and again at each wrapped layer; DDP's device move rebuilds
+dicts, lists and tuples; activation checkpointing replays a layer with the arguments it saw.
+Each copy of the (frozen) context keeps the same :class:`LayerRecords`, which is neither a
+dict nor a dataclass, so every layer writes into the call's one record.
+
 :func:`deepseek_v4_causal_lm_loss` is the one call: packed ids with ``cu_seqlens`` (or
 Hugging Face's restart-at-0 ``position_ids``) to this rank's loss, with the labels shifted
 before sharding and the loss normalised by the CP group's valid-label count
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +65,7 @@ from cpkv.status import StepStatus
 __all__ = [
     "CONTEXT_KWARG",
     "DeepseekV4CPContext",
+    "LayerRecords",
     "DeepseekV4CausalLMOutput",
     "deepseek_v4_causal_lm_loss",
     "enable_deepseek_v4_cp",
@@ -63,6 +73,41 @@ __all__ = [
 
 CONTEXT_KWARG = "cpkv_context"
 """The keyword argument of a model's forward that carries the :class:`DeepseekV4CPContext`."""
+
+
+class LayerRecords(Mapping[int, "Tensor | None"]):
+    """What the attention layers of one forward under CP wrote: layer index -> its indexer loss.
+
+    A read-only mapping to its readers; the layers write with :meth:`record`. On purpose
+    neither a ``dict`` nor a dataclass: wrappers that rebuild a forward's arguments (FSDP2's
+    input casting, DDP's ``_to_kwargs``) copy those and pass any other object through, so
+    every copy of a :class:`DeepseekV4CPContext` holds this same object and the call reads
+    what every layer wrote. One per forward; never shared between calls.
+    """
+
+    __slots__ = ("_losses",)
+
+    def __init__(self) -> None:
+        self._losses: dict[int, Tensor | None] = {}
+
+    def record(self, layer: int, loss: Tensor | None) -> None:
+        """Layer ``layer`` ran under CP; ``loss``: its indexer loss (detached), ``None`` when it has none.
+
+        A layer recomputed by activation checkpointing records the same value again.
+        """
+        self._losses[int(layer)] = loss
+
+    def __getitem__(self, layer: int) -> Tensor | None:
+        return self._losses[layer]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._losses))
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+    def __repr__(self) -> str:
+        return f"LayerRecords(layers={sorted(self._losses)})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -74,13 +119,13 @@ class DeepseekV4CPContext:
     Attributes:
         plan: this rank's :class:`~cpkv.AttentionPlan` of the micro-batch, planned with
             :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`.
-        group: the CP group (``None``: the default group).
+        group: the CP group (a ``ProcessGroup`` or a 1-D ``DeviceMesh``; ``None``: the default group).
         backend: as in :func:`cpkv.attention_forward`.
         indexer_loss: CSA layers: train the indexer with cpkv's KL loss.
         grad_scale: multiplies the indexer-loss gradients.
-        records: filled by the forward: layer index -> its indexer loss (``sum_t KL_t`` over
-            this rank's queries, detached; ``None`` when the layer has none). A layer
-            recomputed by activation checkpointing writes the same value again.
+        records: filled by the forward (:class:`LayerRecords`): layer index -> its indexer
+            loss (``sum_t KL_t`` over this rank's queries, detached; ``None`` when the layer
+            has none). Copies of the context made by wrappers share it.
         status: the :class:`~cpkv.StepStatus` every layer call reports to (no host sync in
             a layer); check it after the forward. ``None``: each layer checks at once.
     """
@@ -90,12 +135,28 @@ class DeepseekV4CPContext:
     backend: BackendName | AttentionBackend = "auto"
     indexer_loss: bool = False
     grad_scale: float = 1.0
-    records: dict[int, Tensor | None] = dataclasses.field(default_factory=dict)
+    records: LayerRecords = dataclasses.field(default_factory=LayerRecords)
     status: StepStatus | None = None
 
 
 def _is_attention(module: Any) -> bool:
     return all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
+
+
+def _has_cp_forward(module: Any) -> bool:
+    forward = vars(module).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _cp_attention_forward
+
+
+def _check_enabled(model: Any) -> None:
+    """Raise ``TypeError`` unless every attention module of ``model`` (or of what it wraps) has cpkv's forward."""
+    attention = [m for m in model.modules() if _is_attention(m)] if isinstance(model, torch.nn.Module) else []
+    missing = sum(not _has_cp_forward(m) for m in attention)
+    if not attention or missing:
+        raise TypeError(
+            f"{missing or 'all'} of the model's {len(attention) or ''} DeepseekV4Attention modules have Hugging Face's"
+            " forward: call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
+        )
 
 
 def _gradient_tie(module: Any, context: DeepseekV4CPContext) -> Tensor | None:
@@ -154,7 +215,7 @@ def _cp_attention_forward(
         module, hidden_states[0], context.plan, context.group, backend=context.backend,
         indexer_loss=context.indexer_loss, grad_scale=context.grad_scale, rotary_emb=rotary_emb, status=context.status,
     )
-    context.records[int(module.layer_idx)] = indexer_loss
+    context.records.record(int(module.layer_idx), indexer_loss)
     tie = _gradient_tie(module, context)
     return (out if tie is None else out + tie.to(out.dtype))[None], None
 
@@ -336,10 +397,11 @@ def deepseek_v4_causal_lm_loss(
     added (``output_router_logits=False``; DeepSeek-V4 balances experts without it).
 
     Args:
-        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP or
-            ``torch.compile`` wrapper of one; FSDP2: see docs/integrations.md).
+        model: a ``DeepseekV4ForCausalLM`` after :func:`enable_deepseek_v4_cp` (or a DDP /
+            FSDP2 ``fully_shard`` / ``torch.compile`` wrapper of one; any ``MixedPrecisionPolicy``).
         input_ids: ``[T]`` or ``[1, T]`` the whole packed batch, on the model's device.
-        group: the CP group (``None``: the default group).
+        group: the CP group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (``mesh["cp"]``), or
+            ``None`` (the default group).
         cu_seqlens: ``[B + 1]`` leading-zero document boundaries; or
         position_ids: ``[T]`` / ``[1, T]`` positions restarting at 0 per document
             (``DataCollatorWithFlattening``); only the boundaries are read from them (the
@@ -352,9 +414,8 @@ def deepseek_v4_causal_lm_loss(
             length to be a multiple of ``2 * cp``: pad with :func:`cpkv.pad_documents` and
             pass its ``padding`` (below).
         grad_reduction: ``"sum"`` if you all-reduce (SUM) the gradients over the CP group,
-            ``"mean"`` if DDP averages them (over a data x CP mesh; FSDP2: see
-            docs/integrations.md): the loss and the
-            indexer's ``grad_scale`` are then multiplied by the CP size.
+            ``"mean"`` if DDP / FSDP2 averages them (over a data x CP mesh, FSDP2's default):
+            the loss and the indexer's ``grad_scale`` are then multiplied by the CP size.
         num_items_in_batch: the loss normaliser when it spans several micro-batches (default:
             this batch's valid labels over the group).
         ignore_index: the label of tokens without a target.
@@ -384,17 +445,20 @@ def deepseek_v4_causal_lm_loss(
 
     Raises:
         TypeError, ValueError: malformed ids, labels (another length than ``input_ids``),
-            boundaries, padding or options, on every rank when any rank's are; ranks whose
-            batches differ (``check_ranks``); a model without :func:`enable_deepseek_v4_cp`
-            (raised after the forward, which then ran Hugging Face's attention on the shard alone).
+            boundaries, padding or options, or a model without :func:`enable_deepseek_v4_cp`
+            (before any collective), on every rank when any rank's are; ranks whose batches
+            differ (``check_ranks``).
+        RuntimeError: after the forward, when some attention layer did not receive the
+            context (a wrapper dropped the ``cpkv_context`` keyword argument on its way).
 
     Example:
         >>> out = deepseek_v4_causal_lm_loss(model, input_ids, cp_group, cu_seqlens=cu_seqlens)  # doctest: +SKIP
         >>> out.loss.backward()  # doctest: +SKIP
     """
     config = _config(model)
-    check_group("group", group)
+    group = check_group("group", group)
     try:  # every rank learns of a bad argument on any rank, before the plan's collectives
+        _check_enabled(model)
         ids = _flat_ids("input_ids", input_ids)
         cu = _cu_seqlens(ids, cu_seqlens, position_ids)
         targets = ids if labels is None else _flat_ids("labels", labels)
@@ -434,9 +498,11 @@ def deepseek_v4_causal_lm_loss(
     output, loss = _forward_with_head_loss(model, head, loss_of, inputs, return_logits)
     expected = int(config.num_hidden_layers)
     if len(context.records) != expected:
-        raise ValueError(
-            f"only {len(context.records)} of the model's {expected} attention layers ran under CP:"
-            " call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
+        raise RuntimeError(
+            f"only {len(context.records)} of the model's {expected} attention layers ran under CP, though every one"
+            f" has cpkv's forward: the {CONTEXT_KWARG}= keyword argument did not reach the others (a wrapper or custom"
+            " forward between the model and its decoder layers dropped it, or deep-copied the context so that those"
+            " layers wrote into another LayerRecords)"
         )
     status.check()  # a layer call that failed on any rank raises on every rank, before any backward
     logits = output.logits[0] if return_logits else None

@@ -19,11 +19,10 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from cpkv.checks import check_int, check_int_dtype, check_rank, check_tensor
 from cpkv.agreement import agree
-from cpkv.collectives import check_fingerprint, check_group, check_group_position, check_same_on_all_ranks
+from cpkv.collectives import Group, check_fingerprint, check_group, check_group_position, check_same_on_all_ranks
 from cpkv.plan.balance import DEFAULT_MAX_TOKENS_RATIO, balanced_layout, rank_costs, token_cap
 from cpkv.plan.cost import CostModel
 from cpkv.plan.conventions import document_real_lengths, validate_cu_seqlens
@@ -292,7 +291,7 @@ def shard_layout(
 def plan_attention(
     cu_seqlens: Tensor, cp_size: int, cp_rank: int, *, layout: Layout | ShardLayout = "contiguous", exchange: Exchange = "allgather",
     ring_degree: int = 1, compress_ratios: Sequence[int] = (), windows: Sequence[int | None] = (),
-    prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: ProcessGroup | None = None,
+    prev_blocks: Mapping[int, int] | None = None, check_modules: bool = True, group: Group = None,
     check_ranks: bool = True, padding: Tensor | None = None, cost_model: CostModel | None = None,
     max_tokens_ratio: float | None = DEFAULT_MAX_TOKENS_RATIO,
     fingerprint: Tensor | None = None,
@@ -336,8 +335,8 @@ def plan_attention(
             :mod:`cpkv.status`), else at once, agreed with one all-reduce of two integers and a
             host read per call (:mod:`cpkv.agreement`). ``False`` drops both: a failing module
             then raises on its own rank only and the others wait until the collective timeout.
-        group: the CP process group (``torch.distributed.group.WORLD`` for the default group),
-            or ``None`` (default) to plan without communication. With a group, every rank
+        group: the CP process group (``torch.distributed.group.WORLD`` for the default group;
+            a 1-D ``DeviceMesh`` such as ``mesh["cp"]`` stands for its group), or ``None`` (default) to plan without communication. With a group, every rank
             validates its own arguments and the ranks agree on the outcome (one all-reduce):
             when any rank's arguments are invalid, or ``cp_size``/``cp_rank`` are not its group
             position, every rank raises. Then (``check_ranks=True``, the default) every rank's
@@ -391,7 +390,7 @@ def plan_attention(
 
     if group is None:
         return build()
-    check_group("group", group)
+    group = check_group("group", group)
     try:
         check_group_position(group, cp_size, cp_rank)
         check_fingerprint(fingerprint)

@@ -233,7 +233,7 @@ def _checkpoint_case(model: Any, group: Any, first: dict[str, Any], second: dict
 def _not_enabled(model: Any, group: Any, batch: dict[str, Any]) -> str:
     try:
         _run(model, batch, group, layout="contiguous", exchange="allgather")
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         return str(error)
     return "no error"
 
