@@ -337,10 +337,12 @@ def test_device_mesh_groups_everywhere(runs: list[dict[str, Any]]) -> None:
         assert groups["not_enabled"].startswith("TypeError") and "call enable_deepseek_v4_cp(model)" in groups["not_enabled"]
 
 
-def test_docs_name_no_fsdp_gap() -> None:
+def test_docs_call_fsdp_tested() -> None:
+    """No line of the README, the docs or the docstrings calls FSDP untested (it was: docs/semantics.md)."""
     root = Path(__file__).resolve().parents[2]
-    texts = [p.read_text(encoding="utf-8") for p in [root / "README.md", *(root / "docs").glob("*.md"), *(root / "cpkv").rglob("*.py")]]
-    assert not any("FSDP untested" in t or "FSDP is untested" in t for t in texts)
+    pages = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "cpkv").rglob("*.py")]
+    lines = [line for page in pages for line in page.read_text(encoding="utf-8").splitlines()]
+    assert not [line for line in lines if "FSDP" in line and "untested" in line.lower()]
 
 
 @pytest.mark.timeout(300)
