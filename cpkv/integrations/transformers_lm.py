@@ -137,22 +137,6 @@ def _is_attention(module: Any) -> bool:
     return all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
 
 
-def _has_cp_forward(module: Any) -> bool:
-    forward = vars(module).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _cp_attention_forward
-
-
-def _check_enabled(model: Any) -> None:
-    """Raise ``TypeError`` unless every attention module of ``model`` (or of what it wraps) has cpkv's forward."""
-    attention = [m for m in model.modules() if _is_attention(m)] if isinstance(model, torch.nn.Module) else []
-    missing = sum(not _has_cp_forward(m) for m in attention)
-    if not attention or missing:
-        raise TypeError(
-            f"{missing or 'all'} of the model's {len(attention) or ''} DeepseekV4Attention modules have Hugging Face's"
-            " forward: call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
-        )
-
-
 def _zero_tie(module: Any) -> Tensor | None:
     """A 0-d zero that depends on every parameter of the compressor (and indexer): each gets a (zero) gradient.
 
@@ -198,6 +182,25 @@ def _cp_attention_forward(
     context.records.record(int(module.layer_idx), indexer_loss)
     tie = _zero_tie(module)
     return (out if tie is None else out + tie.to(out.dtype))[None], None
+
+
+def _has_cp_forward(module: Any) -> bool:
+    forward = vars(module).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _cp_attention_forward
+
+
+def _check_enabled(model: Any) -> None:
+    """Raise ``TypeError`` unless every attention module of ``model`` (or of what it wraps) has cpkv's forward."""
+    attention = [m for m in model.modules() if _is_attention(m)] if isinstance(model, torch.nn.Module) else []
+    if not attention:
+        raise TypeError(f"model must be a DeepseekV4ForCausalLM (or wrap one), got {type(model).__name__} without"
+                        " DeepseekV4Attention modules")
+    missing = sum(not _has_cp_forward(m) for m in attention)
+    if missing:
+        raise TypeError(
+            f"{missing} of the model's {len(attention)} DeepseekV4Attention modules have Hugging Face's forward:"
+            " call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
+        )
 
 
 def enable_deepseek_v4_cp(model: Any) -> Any:
