@@ -741,7 +741,7 @@ def attention_forward(
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
         indices = torch.cat([source.segments.window_indices(window), cmp_rows], dim=1)
-        wants_probs = selected is not None and spec.indexer_loss and not source.rounds  # the KL target from this call's LSE
+        wants_probs = selected is not None and spec.indexer_loss and len(source.rounds) == 0  # the KL target from this call's LSE
         probs_from = indices.shape[1] - cmp_rows.shape[1]
         if isinstance(ops, CompressedLayerBackend):  # one kernel call given the layer's structure (NPU fused)
             layer = CompressedLayer(source.segments, plan.segments, visible, window, num_kv, selected)

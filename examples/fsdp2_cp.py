@@ -142,7 +142,11 @@ def sharded_model(mesh: Any, dtype: str) -> tuple[Any, Any]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=shard_mesh, **options)
     fully_shard(model, mesh=shard_mesh, **options)
-    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+    # The optimizer gets the parameters that train: without the indexer loss the CSA indexers get no
+    # gradient (as in Hugging Face), and DCP's get_state_dict would give a fresh optimizer state for
+    # them that the saved checkpoint lacks ("Missing key in checkpoint state_dict" at the load).
+    trained = [p for name, p in model.named_parameters() if ".indexer." not in name]
+    return model, torch.optim.AdamW(trained, lr=LR)
 
 
 # ------------------------------------------------------------------ one rank's loop

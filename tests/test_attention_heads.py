@@ -209,7 +209,11 @@ def test_mqa_stays_bitwise_as_main(runs: tuple[int, list[dict[str, Any]]]) -> No
 
 
 def test_kv_heads_are_checked_before_any_collective() -> None:
-    """Bad head counts and value shapes raise on the arguments (the plan's group is never reached)."""
+    """Bad head counts and value shapes raise on the arguments (no collective is reached), on a 1-rank group."""
+    assert spawn(_bad_heads, 1, timeout=120.0) == ["raised"]
+
+
+def _bad_heads(rank: int, world: int) -> str:
     plan = plan_attention(seqlens_to_cu_seqlens([8]), 1, 0)
     q, k, v = torch.randn(8, 4, 8), torch.randn(8, 3, 8), torch.randn(8, 2, 6)
     spec = AttentionSpec(d_v=6)
@@ -223,3 +227,4 @@ def test_kv_heads_are_checked_before_any_collective() -> None:
         attention_forward(q, torch.randn(8, 2, 2, 8), plan, None, spec=spec)
     with pytest.raises(ValueError, match="spec.d_v .10. must be <= D = 8"):
         attention_forward(q, torch.randn(8, 2, 8), plan, None, spec=AttentionSpec(d_v=10))
+    return "raised"

@@ -31,6 +31,7 @@ from cpkv import AttentionSpec, StepStatus, attention_forward, plan_attention
 from cpkv.bench.torch_compile import ALL_CASES, CASES, LENGTHS, MODES, case_id
 from cpkv.launch import spawn
 from cpkv.plan import seqlens_to_cu_seqlens
+from cpkv.plan.cost import CostModel
 from cpkv.v4 import V4Attention, V4Config
 from tests.host_syncs import count_host_syncs
 from tests.test_agreement import Spoiled
@@ -104,7 +105,8 @@ def _sync_counts(rank: int, world: int) -> dict[str, tuple[int, int, int]]:
         config = MODES[mode]
         plan = plan_attention(seqlens_to_cu_seqlens(LENGTHS[layout]), world, rank, layout=layout,  # type: ignore[arg-type]
                               exchange=exchange, ring_degree=ring,  # type: ignore[arg-type]
-                              compress_ratios=[config.compress_ratio] if config.mode.compresses else [], windows=[config.window])
+                              compress_ratios=[config.compress_ratio] if config.mode.compresses else [], windows=[config.window],
+                              cost_model=CostModel.from_v4(config))
         layer = V4Attention(config, seed=5)
         x = plan.shard(torch.randn(48, 64, generator=torch.Generator().manual_seed(3))).requires_grad_(True)
         status = StepStatus()
@@ -116,7 +118,7 @@ def _sync_counts(rank: int, world: int) -> dict[str, tuple[int, int, int]]:
         counts[case_id(mode, layout, exchange, ring)] = (with_status, direct, without)
     for exchange, ring in (("allgather", 1), ("need", 2)):  # kv heads with separate values and sinks
         plan = plan_attention(seqlens_to_cu_seqlens(LENGTHS["balanced"]), world, rank, layout="balanced",
-                              exchange=exchange, ring_degree=ring, windows=[8])  # type: ignore[arg-type]
+                              exchange=exchange, ring_degree=ring, windows=[8], cost_model=CostModel())  # type: ignore[arg-type]
         gen = torch.Generator().manual_seed(4)
         q, k, v = (plan.shard(torch.randn(48, *shape, generator=gen)).requires_grad_(True) for shape in ((4, 16), (2, 16), (2, 8)))
         sinks, status = torch.randn(4, requires_grad=True), StepStatus()

@@ -128,6 +128,9 @@ class DeepseekV4CPContext:
             has none). Copies of the context made by wrappers share it.
         status: the :class:`~cpkv.StepStatus` every layer call reports to (no host sync in
             a layer); check it after the forward. ``None``: each layer checks at once.
+        longest_document: tokens of the micro-batch's longest document, padding included (a
+            host int: which compressors one process trains). ``None``: read from ``plan`` in
+            every layer call (a host read per call when the plan is on an accelerator).
     """
 
     plan: AttentionPlan
@@ -137,26 +140,17 @@ class DeepseekV4CPContext:
     grad_scale: float = 1.0
     records: LayerRecords = dataclasses.field(default_factory=LayerRecords)
     status: StepStatus | None = None
+    longest_document: int | None = None
 
 
 def _is_attention(module: Any) -> bool:
     return all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
 
 
-def _has_cp_forward(module: Any) -> bool:
-    forward = vars(module).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _cp_attention_forward
-
-
-def _check_enabled(model: Any) -> None:
-    """Raise ``TypeError`` unless every attention module of ``model`` (or of what it wraps) has cpkv's forward."""
-    attention = [m for m in model.modules() if _is_attention(m)] if isinstance(model, torch.nn.Module) else []
-    missing = sum(not _has_cp_forward(m) for m in attention)
-    if not attention or missing:
-        raise TypeError(
-            f"{missing or 'all'} of the model's {len(attention) or ''} DeepseekV4Attention modules have Hugging Face's"
-            " forward: call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
-        )
+def _longest_document(plan: AttentionPlan) -> int:
+    """Tokens of the longest document of ``plan``'s micro-batch, padding included (one host read of ``[B + 1]``)."""
+    lengths = torch.diff(plan.layout_ranges.cu_seqlens)
+    return int(lengths.max()) if lengths.numel() else 0
 
 
 def _gradient_tie(module: Any, context: DeepseekV4CPContext) -> Tensor | None:
@@ -178,8 +172,10 @@ def _gradient_tie(module: Any, context: DeepseekV4CPContext) -> Tensor | None:
     compressor = module.compressor
     if compressor is None or not torch.is_grad_enabled():
         return None
-    lengths = torch.diff(context.plan.layout_ranges.cu_seqlens)
-    if not bool((lengths >= int(compressor.compress_rate)).any()):
+    longest = context.longest_document
+    if longest is None:
+        longest = _longest_document(context.plan)
+    if longest < int(compressor.compress_rate):
         return None  # no block in the micro-batch: one process's compressor gets no gradient either
     indexer = getattr(compressor, "indexer", None)
     untrained = set() if context.indexer_loss or indexer is None else {id(p) for p in indexer.parameters()}
@@ -218,6 +214,25 @@ def _cp_attention_forward(
     context.records.record(int(module.layer_idx), indexer_loss)
     tie = _gradient_tie(module, context)
     return (out if tie is None else out + tie.to(out.dtype))[None], None
+
+
+def _has_cp_forward(module: Any) -> bool:
+    forward = vars(module).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _cp_attention_forward
+
+
+def _check_enabled(model: Any) -> None:
+    """Raise ``TypeError`` unless every attention module of ``model`` (or of what it wraps) has cpkv's forward."""
+    attention = [m for m in model.modules() if _is_attention(m)] if isinstance(model, torch.nn.Module) else []
+    if not attention:
+        raise TypeError(f"model must be a DeepseekV4ForCausalLM (or wrap one), got {type(model).__name__} without"
+                        " DeepseekV4Attention modules")
+    missing = sum(not _has_cp_forward(m) for m in attention)
+    if missing:
+        raise TypeError(
+            f"{missing} of the model's {len(attention)} DeepseekV4Attention modules have Hugging Face's forward:"
+            " call enable_deepseek_v4_cp(model) once before training (before wrapping it)"
+        )
 
 
 def enable_deepseek_v4_cp(model: Any) -> Any:
@@ -485,7 +500,8 @@ def deepseek_v4_causal_lm_loss(
         check_same_on_all_ranks(cu, cp_group, options=plan.comparison_options(), fingerprint=fingerprint)
     ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
     status = StepStatus(group)  # the layers report to it; checked once, after the forward
-    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale, status=status)
+    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale, status=status,
+                                  longest_document=_longest_document(plan))
     count = global_valid_count(labels_local, group, ignore_index=ignore_index)
     normaliser = count if num_items_in_batch is None else num_items_in_batch
 
