@@ -277,15 +277,20 @@ def _saved_values(loaded: Any, checkpoint: str, rounded: Mapping[str, Tensor]) -
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as stream:
             files = json.load(stream)["weight_map"]
-    values: dict[str, Tensor] = {}
+    by_file: dict[str, dict[str, str]] = {}  # file -> model name -> checkpoint key (each file opened once)
     for name, tensor in rounded.items():
         keys = list(revert_weight_conversion(loaded, {name: tensor}))  # the checkpoint's name of this tensor
         if len(keys) != 1 or (files is not None and keys[0] not in files):
             raise RuntimeError(f"{name} maps to checkpoint keys {keys}, not to one key of {checkpoint}")
-        with safe_open(single if files is None else os.path.join(checkpoint, files[keys[0]]), "pt") as saved:
-            values[name] = saved.get_tensor(keys[0])
-        if not torch.equal(values[name].to(tensor.dtype), tensor):
-            raise RuntimeError(f"{name}: the checkpoint's {keys[0]} is not the value from_pretrained loaded")
+        path = single if files is None else os.path.join(checkpoint, files[keys[0]])
+        by_file.setdefault(path, {})[name] = keys[0]
+    values: dict[str, Tensor] = {}
+    for path, names in by_file.items():
+        with safe_open(path, "pt") as saved:
+            for name, key in names.items():
+                values[name] = saved.get_tensor(key)
+                if not torch.equal(values[name].to(rounded[name].dtype), rounded[name]):
+                    raise RuntimeError(f"{name}: the checkpoint's {key} is not the value from_pretrained loaded")
     return values
 
 
