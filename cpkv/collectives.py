@@ -207,7 +207,8 @@ def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> T
     :class:`BackwardOrder` chain. No checks here (callers validate first).
     """
     token = order.token if order is not None else x.new_zeros((), dtype=torch.float32)
-    out, token = _all_gather(x, token, group_name(group), dist.get_world_size(check_group("group", group)))
+    resolved = check_group("group", group)
+    out, token = _all_gather(x, token, group_name(resolved), dist.get_world_size(resolved))
     if order is not None:
         order.token = token
     gathered: Tensor = out
@@ -216,8 +217,8 @@ def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> T
 
 def reduce_scatter(x: Tensor, group: Group) -> Tensor:
     """Non-differentiable reduce-scatter (sum) along dim 0, ``[world * n, ...] -> [n, ...]``."""
-    result, _token = _reduce_scatter(x, x.new_zeros((), dtype=torch.float32), group_name(group),
-                                    dist.get_world_size(check_group("group", group)))
+    resolved = check_group("group", group)
+    result, _token = _reduce_scatter(x, x.new_zeros((), dtype=torch.float32), group_name(resolved), dist.get_world_size(resolved))
     out: Tensor = result
     return out
 
