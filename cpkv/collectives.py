@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpkv.checks import check_tensor
+from cpkv.ties import tie
 
 Group = ProcessGroup | DeviceMesh | None
 """What a public function takes as its CP group: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (e.g.
@@ -195,9 +196,7 @@ class BackwardOrder:
 
     def attach(self, out: Tensor) -> Tensor:
         """``out`` unchanged in value; its backward first runs the chain of collectives."""
-        if not self.token.requires_grad:
-            return out
-        return out + self.token.to(out.dtype)
+        return tie(out, self.token)
 
 
 def all_gather(x: Tensor, group: Group, order: BackwardOrder | None = None) -> Tensor:

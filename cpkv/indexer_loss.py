@@ -2,7 +2,7 @@
 
 Like the fused NPU op, the attention's backward also produces the indexer gradients:
 :func:`attach_indexer_loss` ties the custom op ``cpkv::indexer_kl`` to the attention output
-(``out + anchor``, ``anchor`` a 0-d zero), and the op's registered backward injects
+(:func:`cpkv.ties.tie`: ``out`` itself, no copy, whose backward also runs the op's), and the op's registered backward injects
 ``(softmax(I_t) - p_t) * grad_scale / N`` into the indexer inputs (``N``: query tokens of the
 whole CP group, ``global_num_seqs``), whatever the upstream gradient of the loss is, so that
 summing over CP ranks equals the CP = 1 result. ``grad_scale / N`` is an argument of the op
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from cpkv.checks import check_positive_int
+from cpkv.ties import tie
 
 __all__ = [
     "IndexerKL", "IndexerLoss", "attach_indexer_loss", "indexer_kl_backward_op", "indexer_kl_op", "kl_terms",
@@ -255,4 +256,4 @@ def attach_indexer_loss(
     picked = torch.where(valid, selected_probs.detach().to(_acc(q_index.dtype)), 0.0)
     target = picked / picked.sum(-1, keepdim=True).clamp_min(torch.finfo(picked.dtype).tiny)
     loss, anchor = (kl or indexer_kl_op)(q_index, k_index, weights, selected, target, grad_scale / num_global_queries)
-    return IndexerLoss(out + anchor.to(out.dtype), loss.detach())
+    return IndexerLoss(tie(out, anchor), loss.detach())

@@ -35,6 +35,7 @@ from cpkv.compress_mode import LayerCompressMode
 from cpkv.plan.cost import CostModel
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.segments import CompressedPlan
+from cpkv.v4.rope import rotate_tail
 
 __all__ = [
     "DeepseekV4AttentionOutput",
@@ -84,16 +85,9 @@ class _Rope:
         """Rotate the last ``2 * len(inv_freq)`` channels of ``x`` ``[N, D]`` or ``[N, H, D]`` by ``positions`` ``[N]``."""
         c = _compute_dtype(x.dtype)
         freqs = positions.to(device=x.device, dtype=c)[:, None] * self.inv_freq.to(device=x.device, dtype=c)
-        cos, sin = (freqs.cos() * self.scaling).to(x.dtype), (freqs.sin() * self.scaling).to(x.dtype)
-        sin = -sin if inverse else sin
-        cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        if x.ndim == 3:
-            cos, sin = cos[:, None], sin[:, None]
-        rope_dim = cos.shape[-1]
-        nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-        half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-        rotated = (rope.to(c) * cos + half.to(c) * sin).to(x.dtype)
-        return torch.cat([nope, rotated], dim=-1)
+        # Hugging Face rounds cos and sin to x's dtype before rotating in the compute dtype
+        cos, sin = ((f * self.scaling).to(x.dtype).to(c) for f in (freqs.cos(), freqs.sin()))
+        return rotate_tail(x, cos, -sin if inverse else sin, interleaved=True)
 
 
 class _Pooler:

@@ -42,13 +42,16 @@ class Compressor(nn.Module):
         """Earlier blocks of the same document each entry reads: 1 with the overlap, else 0."""
         return 1 if self.overlap else 0
 
-    def _project(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """``a``, ``z`` of the tokens at ``rows`` ``[N_c, m]`` -> ``[N_c, m, width]`` each."""
-        tokens = x[rows].float() if x.dtype != torch.float64 else x[rows]
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``a``, ``z`` (without ``ape``) of every row of ``x`` -> ``[T_kv, width]`` each, fp32 (fp64 for fp64 input).
+
+        Projecting the rows before gathering them into blocks keeps one fp32 copy of ``x``
+        (shared by both projections and saved once for backward), not one ``[N_c, m, hidden]``
+        copy per block gather.
+        """
+        tokens = x.float() if x.dtype != torch.float64 else x
         dtype = tokens.dtype
-        a = nn.functional.linear(tokens, self.wkv.weight.to(dtype))
-        z = nn.functional.linear(tokens, self.wgate.weight.to(dtype)) + self.ape.to(dtype)
-        return a, z
+        return nn.functional.linear(tokens, self.wkv.weight.to(dtype)), nn.functional.linear(tokens, self.wgate.weight.to(dtype))
 
     def forward(self, x: Tensor, plan: CompressedPlan) -> Tensor | None:
         """Compress the packed kv-prefix inputs ``x``.
@@ -68,10 +71,13 @@ class Compressor(nn.Module):
             return None
         slots = torch.arange(self.ratio, device=x.device)
         rows = plan.block_starts[:, None] + slots
-        a, z = self._project(x, rows)
+        a_rows, z_rows = self._project(x)
+        ape = self.ape.to(a_rows.dtype)
+        a, z = a_rows[rows], z_rows[rows] + ape
         if self.overlap:
             d = self.head_dim
-            a_prev, z_prev = self._project(x, (rows - self.ratio).clamp(min=0))
+            prev = (rows - self.ratio).clamp(min=0)
+            a_prev, z_prev = a_rows[prev], z_rows[prev] + ape
             first = (plan.entry_positions == 0)[:, None, None]
             z_prev = z_prev[..., :d].masked_fill(first, float("-inf"))
             a = torch.cat([a_prev[..., :d].masked_fill(first, 0.0), a[..., d:]], dim=1)
