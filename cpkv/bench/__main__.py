@@ -219,7 +219,9 @@ def _memory_lines(memory: dict[str, tuple[int, int]]) -> list[str]:
         f"V4-Flash proportions at a smaller scale: hidden {d.hidden}, kv {d.head_dim}, indexer keys {d.index_head_dim},"
         f" window {d.window}, fp32, cp {d.cp}, one document of {d.cp * d.tokens_per_rank:,} tokens, last rank, one process"
         " in a fake process group (`cpkv/bench/memory.py`). Copies: bytes written by copying aten ops (`cat`,"
-        " `index_select`, `clone`, `copy_`, `_to_copy`). Peak: most bytes of storages created by aten ops alive at once"
+        " `index_select`, `clone`, `copy_`, `_to_copy`; not `slice_backward`, `add` and other ops that also write"
+        " new tensors: RoPE's gradient, now a `clone`, was a `slice_backward` per slice and their sum, so its copies"
+        " count more and its peak less than before). Peak: most bytes of storages created by aten ops alive at once"
         " (a dispatch mode tracking each output storage by weak reference), on top of the parameters, input and plan.", "",
         "| layer | copied MiB allgather / need | peak MiB allgather / need |", "|---|---|---|",
     ]

@@ -17,15 +17,17 @@ group, this module's :class:`MemoryCounter`):
   selections (outputs of its top-k / score ops, forward).
 * **loss**: :func:`~cpkv.integrations.causal_lm.causal_lm_loss_from_hidden` forward + backward
   at ``[T/cp, hidden]`` and the ``[V, hidden]`` head, default chunk.
+* **the rest of a decoder layer** (:func:`count_decoder_rest`): Hugging Face's
+  ``DeepseekV4DecoderLayer`` at the model's dims with its attention replaced by a copy: the mHC
+  blocks, norms, router, shared and routed experts (through Hugging Face's ``grouped_mm``
+  experts path, whose shapes are static; the eager per-expert loop's are data-dependent).
 * **parameters**: ``DeepseekV4ForCausalLM(config)`` built on meta and its parameters counted.
 
 **What is arithmetic, not counted** (labelled in the table): FSDP2 state per parameter (float32
 master, float32 gradient, Adam's two float32 moments: 16 bytes, sharded over ``world``; plus the
 bf16 parameters of two decoder layers gathered at once, the current one and the prefetched
-one); the MoE, hyper-connection (``hc_mult`` streams) and norm activations of a layer
-(:func:`ffn_saved_bytes`: Hugging Face's eager MoE has data-dependent shapes that meta tensors
-cannot run); with activation checkpointing, the layer inputs kept (``[T/cp, hc_mult, hidden]``
-bf16 per layer) and one layer's activations recomputed at a time.
+one); with activation checkpointing, the layer inputs kept (``[T/cp, hc_mult, hidden]`` bf16 per
+layer) and one layer's activations recomputed at a time.
 
 The counter is checked on CPU at small sizes (:func:`counter_checks`): the same counter on
 meta tensors against the allocator's peak of a real run (``torch.profiler`` memory events:
@@ -34,6 +36,7 @@ every CPU allocation and free, kernel temporaries included) with the reference b
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,7 +60,8 @@ __all__ = [
     "StepRow",
     "counter_check_lines",
     "counter_checks",
-    "ffn_saved_bytes",
+    "count_decoder_rest",
+    "count_layer",
     "reading_lines",
     "step_memory_lines",
     "step_memory_table",
@@ -154,19 +158,48 @@ def cuda_path_backend() -> AttentionBackend:
     return CUDABackend(forced, triton_kernels=True)
 
 
-def ffn_saved_bytes(config: Any, tokens: int) -> int:
-    """Estimated bf16 bytes one layer's MoE, hyper-connections and norms save for backward (arithmetic).
+class _NoAttention(torch.nn.Module):
+    """Stands in for a decoder layer's attention: its output a new tensor, as the output projection's is."""
 
-    Per token: each of the ``k`` routed experts keeps its input row and its gate, up and
-    activation outputs (``hidden + 3 * moe_intermediate``), the shared experts the same
-    (``hidden + 3 * n_shared * moe_intermediate``), the router its fp32 logits; the two
-    hyper-connection blocks keep their ``[hc_mult, hidden]`` input and output each
-    (``4 * hc_mult * hidden``), the two norms their inputs (``2 * hidden``).
+    def forward(self, x: Tensor, **_kwargs: Any) -> tuple[Tensor, None]:
+        return x.clone(), None
+
+
+def _decoder_rest(config: Any, tokens: int, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Tensor]:
+    """A learned-router decoder layer of ``config`` with :class:`_NoAttention`, and a ``[1, tokens, hc_mult, hidden]`` input."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+
+    config = copy.deepcopy(config)
+    config._experts_implementation = "grouped_mm"
+    with torch.device(device):
+        layer = DeepseekV4DecoderLayer(config, list(config.mlp_layer_types).index("moe")).to(dtype)
+    layer.self_attn = _NoAttention()  # type: ignore[assignment]
+    x = torch.empty(1, tokens, int(config.hc_mult), int(config.hidden_size), device=device, dtype=dtype).normal_()
+    return layer, x.requires_grad_()
+
+
+def count_decoder_rest(config: Any, tokens: int, *, device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> LayerCount:
+    """One Hugging Face ``DeepseekV4DecoderLayer`` forward + backward on ``tokens`` tokens, its attention removed.
+
+    What remains is what a decoder layer adds around cpkv's attention: the two mHC blocks (in
+    fp32, as Hugging Face computes them), the two RMSNorms, the router, the shared expert and
+    the routed experts through Hugging Face's ``grouped_mm`` experts path (static shapes: every
+    token's ``k`` expert rows, sorted by expert; the path GPU runs take). The attention is a
+    stand-in returning a copy of its input (what the attention itself saves is counted by
+    :func:`count_layer`). A learned-router (``"moe"``) layer; hash-routed layers differ only in
+    the router. ``peak`` includes the layer's parameter gradients (all its experts: FSDP2
+    reduce-scatters them after the layer's backward; expert parallelism would shard them).
     """
-    hidden, inter, hc = int(config.hidden_size), int(config.moe_intermediate_size), int(config.hc_mult)
-    k, shared, experts = int(config.num_experts_per_tok), int(config.n_shared_experts), int(config.n_routed_experts)
-    per_token = 2 * (k * (hidden + 3 * inter) + hidden + 3 * shared * inter + 4 * hc * hidden + 2 * hidden) + 4 * experts
-    return tokens * per_token
+    layer, x = _decoder_rest(config, tokens, device, dtype)
+    params = {_key(t)[0] for t in [*layer.parameters(), *layer.buffers()]}
+    counter = MemoryCounter()
+    with counter, saved_bytes(params) as saved:  # the layer input counts: its mHC blocks save it
+        out = layer(x)
+    counter.forward = False
+    with counter:
+        out.backward(torch.ones_like(out))
+        del out
+    return LayerCount(sum(saved.values()), counter.peak, counter.largest, counter.largest_op, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -179,9 +212,10 @@ class StepRow:
     checkpointing: bool
     states: int
     attention_saved: int
-    ffn_saved: int
+    rest_saved: int
     checkpoints: int
     largest: str
+    transient_in: str
     transient: int
     exchange: int
     indexer: int
@@ -190,7 +224,7 @@ class StepRow:
     @property
     def activations(self) -> int:
         """Saved activations of the step (all layers; with checkpointing: the kept inputs and one layer's)."""
-        return self.checkpoints + self.attention_saved + self.ffn_saved
+        return self.checkpoints + self.attention_saved + self.rest_saved
 
     @property
     def total(self) -> int:
@@ -225,6 +259,17 @@ def _loss_peak(tokens: int, hidden: int, vocab: int) -> int:
     return counter.peak
 
 
+def tiny_v4_config() -> Any:
+    """A two-layer DeepSeek-V4 config (one CSA, one HCA layer; hidden 256, 4 experts, 2 per token) for smoke runs and the counter check."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(hidden_size=256, num_attention_heads=4, head_dim=64, index_n_heads=2, index_head_dim=32,
+                            num_hidden_layers=2, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                            mlp_layer_types=["moe", "moe"], n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            vocab_size=1024,
+                            q_lora_rank=64, o_lora_rank=64, o_groups=2)
+
+
 def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = False) -> list[StepRow]:
     """Every model x cp x (without, with activation checkpointing), balanced layout, need exchange, one document."""
     from transformers import DeepseekV4Config
@@ -234,11 +279,7 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
 
     models = {"V4-Flash": DeepseekV4Config(), "V4-Pro": v4_pro_config()}
     if smoke:
-        models = {"tiny": DeepseekV4Config(hidden_size=256, num_attention_heads=4, head_dim=64,
-                                           index_n_heads=2, index_head_dim=32, num_hidden_layers=2,
-                                           layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                                           mlp_layer_types=["moe", "moe"], n_routed_experts=4, moe_intermediate_size=64,
-                                           vocab_size=1024, q_lora_rank=64, o_lora_rank=64, o_groups=2)}
+        models = {"tiny": tiny_v4_config()}
     rows: list[StepRow] = []
     backend = cuda_path_backend()
     for name, config in models.items():
@@ -254,18 +295,22 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
             plan = plan.to(torch.device("meta"))
             counts = {r: count_layer(_layer_config(config, r), plan, cp, rank, backend) for r in kinds}
             local = plan.local_len
-            ffn = ffn_saved_bytes(config, local)
+            rest = count_decoder_rest(config, local)
             loss = _loss_peak(local, int(config.hidden_size), int(config.vocab_size))
-            biggest = max(counts.values(), key=lambda c: c.largest)
-            common = {"model": name, "cp": cp, "tokens": local, "states": states, "largest": f"{biggest.largest_op}",
-                      "transient": max(c.peak - c.saved for c in counts.values()), "loss": loss,
+            parts = {f"ratio-{r} attention": c for r, c in counts.items()} | {"decoder rest": rest}
+            where = max(parts, key=lambda k: parts[k].peak - parts[k].saved)
+            biggest = max(parts, key=lambda k: parts[k].largest)
+            common = {"model": name, "cp": cp, "tokens": local, "states": states,
+                      "largest": f"{biggest}: {parts[biggest].largest_op}", "transient_in": where,
+                      "transient": parts[where].peak - parts[where].saved, "loss": loss,
                       "exchange": max(c.exchange for c in counts.values()), "indexer": max(c.indexer for c in counts.values())}
             layers = sum(kinds.values())
             rows.append(StepRow(checkpointing=False, attention_saved=sum(n * counts[r].saved for r, n in kinds.items()),
-                                ffn_saved=layers * ffn, checkpoints=0, **common))  # type: ignore[arg-type]
-            kept = layers * local * int(config.hc_mult) * int(config.hidden_size) * 2
-            rows.append(StepRow(checkpointing=True, attention_saved=max(c.saved for c in counts.values()), ffn_saved=ffn,
-                                checkpoints=kept, **common))  # type: ignore[arg-type]
+                                rest_saved=layers * rest.saved, checkpoints=0, **common))  # type: ignore[arg-type]
+            layer_input = local * int(config.hc_mult) * int(config.hidden_size) * 2
+            rows.append(StepRow(checkpointing=True, attention_saved=max(c.saved for c in counts.values()),
+                                rest_saved=rest.saved - layer_input, checkpoints=layers * layer_input,
+                                **common))  # type: ignore[arg-type]
     return rows
 
 
@@ -284,14 +329,19 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         "* `attention saved`: counted: what the CSA and HCA layers save for backward (cpkv's V4-style layer through the"
         " CUDA path's custom-op fakes: `varlen_attn`, the Triton sparse and indexer ops), summed over the model's layers"
         " (with checkpointing: the one layer recomputed at a time).",
-        "* `ffn saved`: estimated (`ffn_saved_bytes`): MoE, hyper-connections and norms per layer (all layers, or one"
-        " with checkpointing). `ckpt inputs`: with checkpointing, every layer's `[T/cp, hc_mult, hidden]` bf16 input.",
-        "* `transient`: counted: the attention layer's forward+backward peak above what it saves; `largest`: its largest"
-        " single tensor. `exchange`: counted: the forward receive buffers of one layer (cpkv's collective ops);"
+        "* `rest saved`: counted: what the rest of a decoder layer saves (Hugging Face's `DeepseekV4DecoderLayer` with"
+        " its attention replaced by a copy: the two mHC blocks, computed in fp32 as Hugging Face does, the RMSNorms, the"
+        " router, the shared expert and the routed experts through Hugging Face's `grouped_mm` path; its input"
+        " included), all layers (with checkpointing: one layer, its input left to `ckpt inputs`). `ckpt inputs`: with"
+        " checkpointing, every layer's `[T/cp, hc_mult, hidden]` bf16 input.",
+        "* `transient`: counted: the largest forward+backward peak above what a layer saves, of the CSA and HCA"
+        " attention layers and the decoder rest (which one in brackets; the decoder rest's includes its parameter"
+        " gradients, every expert's, unsharded until FSDP2 reduce-scatters them); `largest`: the largest single tensor"
+        " of the three. `exchange`: counted: the forward receive buffers of one layer (cpkv's collective ops);"
         " `indexer`: counted: the indexer's scores and selections of a CSA layer (forward outputs of its ops).",
         "* `loss`: counted: the chunked loss's peak (`causal_lm_loss_from_hidden`, 1,024-token chunks, forward + backward).",
         "* `total` = states + activations + max(transient, loss); fits: an H200 (141 GB) / a 64 GB device.", "",
-        "| model | cp | T/cp | ckpt | states | attention saved | ffn saved | ckpt inputs | transient | largest tensor"
+        "| model | cp | T/cp | ckpt | states | attention saved | rest saved | ckpt inputs | transient | largest tensor"
         " (op) | exchange | indexer | loss | total | H200 | 64 GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -299,7 +349,7 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         fits = ["yes" if r.total <= cap else "no" for cap in (H200, ASCEND)]
         lines.append(
             f"| {r.model} | {r.cp} | {r.tokens:,} | {'yes' if r.checkpointing else 'no'} | {_gb(r.states)} |"
-            f" {_gb(r.attention_saved)} | {_gb(r.ffn_saved)} | {_gb(r.checkpoints)} | {_gb(r.transient)} |"
+            f" {_gb(r.attention_saved)} | {_gb(r.rest_saved)} | {_gb(r.checkpoints)} | {_gb(r.transient)} ({r.transient_in}) |"
             f" `{r.largest}` | {_gb(r.exchange)} | {_gb(r.indexer)} | {_gb(r.loss)} | {_gb(r.total)} | {fits[0]} | {fits[1]} |"
         )
     return lines
@@ -315,7 +365,7 @@ def reading_lines(rows: list[StepRow]) -> list[str]:
             if not parts:
                 continue
             worst = min(parts, key=lambda r: r.cp)
-            terms = {"states": worst.states, "attention activations": worst.attention_saved, "ffn activations (estimated)": worst.ffn_saved,
+            terms = {"states": worst.states, "attention activations": worst.attention_saved, "decoder-rest activations (mHC, MoE, norms)": worst.rest_saved,
                      "checkpointed layer inputs": worst.checkpoints}
             top = max(terms, key=lambda k: terms[k])
             fits = []
@@ -326,10 +376,15 @@ def reading_lines(rows: list[StepRow]) -> list[str]:
                 f"{model} {'with' if ckpt else 'without'} activation checkpointing: {top} dominate"
                 f" ({_gb(terms[top])} of {_gb(worst.total)} GB at cp {worst.cp}); it fits {' and '.join(fits)}."
             )
+    largest = max(rows, key=lambda r: r.transient)
     return ["", "Reading: " + " ".join(sentences) + " The loss (chunked) and the exchange's receive buffers stay a few GB"
-            " at every cp; the largest single tensor is the query projection's output `[T/cp, heads * head_dim]`."
-            " What the table does not show: expert parallelism (the states shrink with the expert-parallel size) and"
-            " activation offloading."]
+            f" at every cp. The largest transient is {_gb(largest.transient)} GB ({largest.model}, cp {largest.cp}, in the"
+            f" {largest.transient_in}; its largest tensor `{largest.largest}`): without expert parallelism a layer's"
+            " backward holds every expert's unsharded gradient until FSDP2 reduce-scatters it. Of the decoder rest's"
+            " activations, Hugging Face's mHC blocks, computed in fp32 on the flattened `[T/cp, hc_mult * hidden]` streams,"
+            " save about as much as the MoE; a fused mHC kernel saving its bf16 input would remove most of it."
+            " What the table does not show: expert parallelism (the states and the expert gradients shrink with the"
+            " expert-parallel size) and activation offloading."]
 
 
 @dataclass(frozen=True)
@@ -435,6 +490,19 @@ def _layer_run(ratio: int, tokens: int, cp: int) -> Callable[[str], Callable[[],
     return make
 
 
+def _rest_run(tokens: int) -> Callable[[str], Callable[[], None]]:
+    def make(device: str) -> Callable[[], None]:
+        layer, x = _decoder_rest(tiny_v4_config(), tokens, device, torch.bfloat16)  # grouped_mm takes bf16 only
+
+        def run() -> None:
+            out = layer(x)
+            out.backward(torch.ones_like(out))
+
+        return run
+
+    return make
+
+
 def counter_checks(*, smoke: bool = False) -> list[CounterCheck]:
     """The counter (meta and CPU tensors) vs the CPU allocator, float32, at small sizes."""
     tokens, vocab = (256, 1024) if smoke else (2048, 8192)
@@ -442,6 +510,7 @@ def counter_checks(*, smoke: bool = False) -> list[CounterCheck]:
               _check(f"whole-logits loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, False))]
     for ratio in (4, 128):
         checks.append(_check(f"attention layer, ratio {ratio}, T/cp {tokens // 4} (cp 4)", _layer_run(ratio, tokens, 4)))
+    checks.append(_check(f"decoder rest, bf16 (hidden 256, 4 experts of 64, 2 per token), T {tokens}", _rest_run(tokens)))
     return checks
 
 

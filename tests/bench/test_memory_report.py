@@ -2,7 +2,8 @@
 
 The counter (:class:`cpkv.bench.step_memory.MemoryCounter`) must agree with the allocator's
 measured peak (``torch.profiler`` memory events, custom ops taken as their outputs) within
-10% (the issue's bound; measured: exact to the byte at the smoke sizes and at hidden 256).
+10% (the issue's bound; measured: exact to the byte for the loss and the attention layers at the
+smoke sizes and at hidden 256; the decoder rest 0.95 of the allocator: CPU ``grouped_mm`` temporaries).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def test_memory_smoke_run_writes_its_section_and_the_counter_matches_the_allocat
     rows = [line.split("|")[1:-1] for line in kept_section(text).splitlines() if line.startswith("| ")]
     loss = [r for r in rows if r[2].strip() in ("float32", "bfloat16")]
     assert loss and all(float(r[8]) >= 2.5 and float(r[5]) < float(r[8]) for r in loss)  # whole logits: ~3x their size
-    assert [r[0].strip() for r in rows if r[0].strip() == "tiny"] == ["tiny", "tiny"]
-    checks = [r for r in rows if "loss, T" in r[0] or "attention layer" in r[0]]
-    assert len(checks) == 4
+    step = [r for r in rows if r[0].strip() == "tiny"]
+    assert len(step) == 2 and all("(decoder rest)" in r[8] or "attention)" in r[8] for r in step)  # where the transient is
+    checks = [r for r in rows if "loss, T" in r[0] or "attention layer" in r[0] or "decoder rest" in r[0]]
+    assert len(checks) == 5
     assert all(0.9 <= float(r[-1]) <= 1.1 for r in checks), checks  # counted on meta / measured (custom ops as outputs)
