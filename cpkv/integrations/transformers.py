@@ -35,6 +35,7 @@ from cpkv.compress_mode import LayerCompressMode
 from cpkv.plan.cost import CostModel
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.segments import CompressedPlan
+from cpkv.v4.norms import unweighted_rms_norm
 from cpkv.v4.rope import rotate_tail
 
 __all__ = [
@@ -59,10 +60,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """``DeepseekV4RMSNorm`` (``weight``) / ``DeepseekV4UnweightedRMSNorm`` (``None``) in the compute dtype."""
-    c = _compute_dtype(x.dtype)
     if weight is None:
-        return x * torch.rsqrt(x.to(c).square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    xc = x.to(c)
+        return unweighted_rms_norm(x, eps)
+    xc = x.to(_compute_dtype(x.dtype))
     normed = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * normed).to(x.dtype)
 
