@@ -4,12 +4,14 @@
 group, this module's :class:`MemoryCounter`):
 
 * **attention layers** (one CSA layer, ratio 4, and one HCA layer, ratio 128, at the model's
-  dims; every layer of a kind is the same): cpkv's V4-style layer
-  (:class:`cpkv.v4.V4Attention`: full-rank q/kv/o projections, RoPE, the compressor, the indexer
-  with its KL loss, the kv exchange and sparse attention) forward + backward on this rank's
-  ``T/cp`` tokens, with the **CUDA path's** kernels: :class:`~cpkv.backends.cuda.CUDABackend`
-  with the Triton kernels forced and torch's ``varlen_attn``; on meta tensors every kernel is
-  its custom op's fake implementation, i.e. exactly the tensors the CUDA kernels allocate.
+  dims; every layer of a kind is the same): Hugging Face's ``DeepseekV4Attention`` through cpkv
+  (:func:`count_hf_attention`: :func:`cpkv.integrations.transformers.deepseek_v4_attention`,
+  the call of a model under ``enable_deepseek_v4_cp``: low-rank queries and their norms, RoPE,
+  the compressor, the indexer with its KL loss, the kv exchange, sparse attention, the inverse
+  RoPE and the grouped output projection) forward + backward on this rank's ``T/cp`` tokens,
+  with the **CUDA path's** kernels: :class:`~cpkv.backends.cuda.CUDABackend` with the Triton
+  kernels forced and torch's ``varlen_attn``; on meta tensors every kernel is its custom op's
+  fake implementation, i.e. exactly the tensors the CUDA kernels allocate.
   Columns: tensors saved for backward (``saved_tensors_hooks``, by storage, parameters
   excluded), the peak of live storages made by aten/custom ops over forward + backward (on top
   of the parameters and the input), the largest single tensor (op and shape), the exchange's
@@ -128,24 +130,56 @@ class LayerCount:
     indexer: int
 
 
-def count_layer(config: V4Config, plan: AttentionPlan, cp: int, rank: int, backend: Any, *, device: str = "meta",
-                dtype: torch.dtype = torch.bfloat16) -> LayerCount:
-    """Count one layer's forward + backward on ``plan``'s tokens (the plan on ``device``)."""
-    with torch.device(device):
-        layer = V4Attention(config).to(dtype)
-    params = {_key(p)[0] for p in layer.parameters()}
-    x = torch.empty(plan.local_len, config.hidden, device=device, dtype=dtype).normal_().requires_grad_()
+def _count_call(module: torch.nn.Module, x: Tensor, call: Callable[[Tensor], Tensor], cp: int, rank: int) -> LayerCount:
+    """Count ``call(x)``'s forward + backward (``module``'s parameters and buffers excluded; ``x`` counted as kept)."""
+    params = {_key(t)[0] for t in [*module.parameters(), *module.buffers()]}
     counter = MemoryCounter()
     with fake_group(rank, cp), no_all_to_all():
         with counter, saved_bytes(params | {_key(x)[0]}) as saved:
-            out = layer(x, plan, None, backend=backend).out
+            out = call(x)
         saved_total = sum(saved.values()) + x.numel() * x.element_size()  # the input is kept too
         counter.forward = False
         with counter:
-            out.backward(torch.ones_like(out))
+            out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
             del out
     return LayerCount(saved_total, counter.peak, counter.largest, counter.largest_op, counter.kinds["exchange"],
                       counter.kinds["indexer"])
+
+
+def count_layer(config: V4Config, plan: AttentionPlan, cp: int, rank: int, backend: Any, *, device: str = "meta",
+                dtype: torch.dtype = torch.bfloat16) -> LayerCount:
+    """Count one :class:`~cpkv.v4.V4Attention` forward + backward on ``plan``'s tokens (the plan on ``device``)."""
+    with torch.device(device):
+        layer = V4Attention(config).to(dtype)
+    x = torch.empty(plan.local_len, config.hidden, device=device, dtype=dtype).normal_().requires_grad_()
+    return _count_call(layer, x, lambda t: layer(t, plan, None, backend=backend).out, cp, rank)
+
+
+def _hf_attention(config: Any, layer_index: int, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+
+    with torch.device(device):
+        return DeepseekV4Attention(config, layer_index).to(dtype), DeepseekV4RotaryEmbedding(config)
+
+
+def count_hf_attention(config: Any, layer_index: int, plan: AttentionPlan, cp: int, rank: int, backend: Any, *,
+                       device: str = "meta", dtype: torch.dtype = torch.bfloat16, indexer_loss: bool = True) -> LayerCount:
+    """Count Hugging Face's ``DeepseekV4Attention`` (layer ``layer_index`` of ``config``) through cpkv, forward + backward.
+
+    The call a model under :func:`~cpkv.integrations.transformers_lm.enable_deepseek_v4_cp` makes:
+    :func:`~cpkv.integrations.transformers.deepseek_v4_attention` (low-rank queries with their
+    norms, RoPE, the compressor and indexer, with the indexer's KL loss when ``indexer_loss``,
+    the kv exchange, sparse attention, the inverse RoPE and the grouped output projection).
+    """
+    from cpkv.integrations.transformers import deepseek_v4_attention
+
+    attn, rotary = _hf_attention(config, layer_index, device, dtype)
+    x = torch.empty(plan.local_len, int(config.hidden_size), device=device, dtype=dtype).normal_().requires_grad_()
+
+    def call(t: Tensor) -> Tensor:
+        return deepseek_v4_attention(attn, t, plan, None, backend=backend, indexer_loss=indexer_loss, rotary_emb=rotary).out
+
+    return _count_call(attn, x, call, cp, rank)
 
 
 def cuda_path_backend() -> AttentionBackend:
@@ -242,13 +276,6 @@ def _parameters(config: Any) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), layer
 
 
-def _layer_config(config: Any, ratio: int) -> V4Config:
-    rope = int(config.qk_rope_head_dim)
-    return V4Config(hidden=int(config.hidden_size), heads=int(config.num_attention_heads), head_dim=int(config.head_dim),
-                    rope_dim=rope, window=int(config.sliding_window), compress_ratio=ratio, topk=int(config.index_topk),
-                    index_heads=int(config.index_n_heads), index_head_dim=int(config.index_head_dim))
-
-
 def _loss_peak(tokens: int, hidden: int, vocab: int) -> int:
     h = torch.empty(tokens, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
     w = torch.empty(vocab, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
@@ -293,7 +320,8 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
                 plan = plan_attention(torch.tensor([0, tokens]), cp, rank, layout="balanced", exchange="need",
                                       check_ranks=False, **options)
             plan = plan.to(torch.device("meta"))
-            counts = {r: count_layer(_layer_config(config, r), plan, cp, rank, backend) for r in kinds}
+            first = {int(config.compress_rates[t]): list(config.layer_types).index(t) for t in config.compress_rates}
+            counts = {r: count_hf_attention(config, first[r], plan, cp, rank, backend) for r in kinds}
             local = plan.local_len
             rest = count_decoder_rest(config, local)
             loss = _loss_peak(local, int(config.hidden_size), int(config.vocab_size))
@@ -326,8 +354,9 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         " need exchange, bf16, the last rank. GB = 1e9 bytes. Columns and what each counts:", "",
         f"* `states`: arithmetic: parameters (counted: the HF model built on meta) x 16 bytes (fp32 master, fp32 gradient,"
         f" Adam's two moments) / {world} ranks of FSDP2, plus two decoder layers' bf16 parameters gathered at once.",
-        "* `attention saved`: counted: what the CSA and HCA layers save for backward (cpkv's V4-style layer through the"
-        " CUDA path's custom-op fakes: `varlen_attn`, the Triton sparse and indexer ops), summed over the model's layers"
+        "* `attention saved`: counted: what the CSA and HCA layers save for backward (Hugging Face's `DeepseekV4Attention`"
+        " through cpkv's `deepseek_v4_attention`, the indexer's KL loss on, with the CUDA path's custom-op fakes:"
+        " `varlen_attn`, the Triton sparse and indexer ops), summed over the model's layers"
         " (with checkpointing: the one layer recomputed at a time).",
         "* `rest saved`: counted: what the rest of a decoder layer saves (Hugging Face's `DeepseekV4DecoderLayer` with"
         " its attention replaced by a copy: the two mHC blocks, computed in fp32 as Hugging Face does, the RMSNorms, the"
@@ -490,6 +519,29 @@ def _layer_run(ratio: int, tokens: int, cp: int) -> Callable[[str], Callable[[],
     return make
 
 
+def _hf_attention_run(layer_index: int, tokens: int, cp: int) -> Callable[[str], Callable[[], None]]:
+    from cpkv.integrations.transformers import deepseek_v4_attention, deepseek_v4_plan_options
+
+    config, rank = tiny_v4_config(), cp - 1
+    with fake_group(rank, cp):
+        cpu_plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", check_ranks=False,
+                                  **deepseek_v4_plan_options(config))
+
+    def make(device: str) -> Callable[[], None]:
+        attn, rotary = _hf_attention(config, layer_index, device, torch.float32)
+        plan = cpu_plan.to(torch.device(device))
+        x = torch.empty(plan.local_len, int(config.hidden_size), device=device).normal_().requires_grad_()
+
+        def run() -> None:
+            with fake_group(rank, cp), no_all_to_all():
+                out = deepseek_v4_attention(attn, x, plan, None, backend="reference", indexer_loss=True, rotary_emb=rotary).out
+                out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+
+        return run
+
+    return make
+
+
 def _rest_run(tokens: int) -> Callable[[str], Callable[[], None]]:
     def make(device: str) -> Callable[[], None]:
         layer, x = _decoder_rest(tiny_v4_config(), tokens, device, torch.bfloat16)  # grouped_mm takes bf16 only
@@ -509,7 +561,9 @@ def counter_checks(*, smoke: bool = False) -> list[CounterCheck]:
     checks = [_check(f"chunked loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, True)),
               _check(f"whole-logits loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, False))]
     for ratio in (4, 128):
-        checks.append(_check(f"attention layer, ratio {ratio}, T/cp {tokens // 4} (cp 4)", _layer_run(ratio, tokens, 4)))
+        checks.append(_check(f"cpkv.v4 attention layer, ratio {ratio}, T/cp {tokens // 4} (cp 4)", _layer_run(ratio, tokens, 4)))
+    for index, kind in enumerate(tiny_v4_config().layer_types):
+        checks.append(_check(f"Hugging Face attention ({kind}), T/cp {tokens // 4} (cp 4)", _hf_attention_run(index, tokens, 4)))
     checks.append(_check(f"decoder rest, bf16 (hidden 256, 4 experts of 64, 2 per token), T {tokens}", _rest_run(tokens)))
     return checks
 
@@ -517,12 +571,13 @@ def counter_checks(*, smoke: bool = False) -> list[CounterCheck]:
 def counter_check_lines(checks: list[CounterCheck]) -> list[str]:
     """The check table."""
     lines = [
-        "", "Counter check, CPU, float32: the counter's peak of a forward + backward on meta tensors and on real CPU"
+        "", "Counter check, CPU, float32 (the decoder rest bf16): the counter's peak of a forward + backward on meta tensors and on real CPU"
         " tensors, against the CPU allocator's measured peak of the real run (`torch.profiler` memory events: every"
         " allocation and free, temporaries inside kernels and inside the reference backend's custom ops included), and"
         " the same events with each `cpkv::` custom op's events replaced by their net at the op's end (the op as its"
-        " outputs: what its fake, and a kernel keeping its tiles on chip, allocates). Attention layers: hidden 256, 4"
-        " heads of 64, window 16, top-k 16, last rank of cp 4, need exchange, reference backend.", "",
+        " outputs: what its fake, and a kernel keeping its tiles on chip, allocates). cpkv.v4 attention layers: hidden 256,"
+        " 4 heads of 64, window 16, top-k 16; Hugging Face attention and decoder rest: `tiny_v4_config()` (hidden 256,"
+        " 4 heads of 64, its CSA and HCA layer); last rank of cp 4, need exchange, reference backend.", "",
         "| case | counted on meta MiB | counted on CPU MiB | measured MiB | measured, custom ops as outputs MiB |"
         " meta / measured | meta / measured (outputs) |", "|---|---|---|---|---|---|---|",
     ]
