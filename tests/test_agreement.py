@@ -33,6 +33,7 @@ from cpkv.plan.cost import CostModel
 from cpkv.plan.segments import CompressedPlan
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
+from tests.shared_spawn import shared_spawn
 
 CU = torch.tensor([0, 5, 12, 16, 24])
 ZIGZAG_CU = torch.tensor([0, 12, 24])  # document lengths in multiples of 2*cp (cp 2, 3)
@@ -149,10 +150,13 @@ def _run(rank: int, world: int) -> dict[str, list[tuple[str, str]]]:
 Results = tuple[int, list[dict[str, list[tuple[str, str]]]]]
 
 
+RUN = {world: shared_spawn(_run, world, timeout=200.0) for world in (2, 3)}
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"cp{w}")
 def per_rank(request: pytest.FixtureRequest) -> Results:
     world: int = request.param
-    return world, spawn(_run, world, timeout=200.0)
+    return world, RUN[world].run(request)
 
 
 def _assert_agreed(outcomes: list[list[tuple[str, str]]], failing: int | None, world: int) -> None:
@@ -209,7 +213,8 @@ def _one_rank_bad_q(rank: int, world: int) -> tuple[str, str]:
 def test_one_rank_bad_argument_without_a_status_raises_there_and_fails_the_peers_collective() -> None:
     """``StepStatus(each_call=True)`` agrees in the call: every rank raises, naming rank 1. Without a status
     an argument only one rank gets wrong raises on that rank before any collective; its peers are already in
-    the layer's first collective, which fails (gloo: the peer closed) once the failing rank leaves the group.
+    the layer's first collective, which fails (gloo: the peer closed) once the failing rank leaves the group
+    (so this check has a spawn of its own: the group is broken after it).
     NCCL would wait until the group's timeout instead. (With a deferring status it raises on every rank at
     the step's check: tests/test_step_status.py.)"""
     outcomes = spawn(_one_rank_bad_q, 2, timeout=60.0)

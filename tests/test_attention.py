@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from cpkv.attention import AttentionSpec, attention_forward
-from cpkv.launch import spawn
 from cpkv.plan import plan_attention
 from cpkv.v4 import V4Attention, V4Config
+from tests.shared_spawn import shared_spawn
 
 CU = torch.tensor([0, 5, 12, 16])
 
@@ -58,10 +58,13 @@ def _check_all_raise(rank: int, world: int) -> list[str]:
     return messages
 
 
+CHECK_ALL_RAISE = {world: shared_spawn(_check_all_raise, world, timeout=90.0) for world in (1, 2)}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2])
-def test_every_rank_raises_before_any_collective(world: int) -> None:
-    per_rank = spawn(_check_all_raise, world, timeout=90.0)
+def test_every_rank_raises_before_any_collective(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = CHECK_ALL_RAISE[world].run(request)
     names = [name for name, _ in _bad_calls(0, world)]
     for messages in per_rank:
         assert len(messages) == len(names)
@@ -76,11 +79,14 @@ def _dense_default_call(rank: int, world: int) -> torch.Tensor:
     return attention_forward(q, kv, plan, None, spec=AttentionSpec(d_v=8), backend="reference").out
 
 
-def test_spec_window_defaults_to_dense_causal() -> None:
+DENSE_DEFAULT_CALL = shared_spawn(_dense_default_call, 1, timeout=120.0)
+
+
+def test_spec_window_defaults_to_dense_causal(request: pytest.FixtureRequest) -> None:
     """``AttentionSpec(d_v=...)`` is dense causal (no silent sliding window); compressed layers must name one."""
     assert AttentionSpec(d_v=8).window is None
     AttentionSpec(d_v=8).validate()
-    out = spawn(_dense_default_call, 1)[0]
+    out = DENSE_DEFAULT_CALL.run(request)[0]
     gen = torch.Generator().manual_seed(0)
     q, kv = torch.randn(200, 2, 8, generator=gen, dtype=torch.float64), torch.randn(200, 8, generator=gen, dtype=torch.float64)
     scores = torch.einsum("thd,sd->hts", q, kv) * 8**-0.5

@@ -16,7 +16,7 @@ most twice the single-process bf16 error against the same float64 run, plus a fl
 one bf16 ulp-ish (2**-8) relative, since both runs round inputs, weights and outputs to
 bf16 and differ only in accumulation order.
 
-One spawn per cp runs every case (spawning costs seconds).
+One group per cp runs every case (tests/shared_spawn.py's spawn of that size: spawning costs seconds).
 """
 
 import functools
@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from cpkv.plan.cost import CostModel
-from cpkv.launch import spawn
 from cpkv.plan import AttentionPlan, ShardLayout, bsnd_cu_seqlens, layout_from_ranges, plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.sharding import shard_zigzag, unshard_zigzag
 from cpkv.v4 import V4Attention, V4Config, reference_forward
+from tests.shared_spawn import shared_spawn
 
 # 144 tokens (divisible by cp 1-4): zero-length documents, documents shorter than one
 # block (ratio 4 and 8), and documents straddling several ranks at every cp.
@@ -186,10 +186,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
+CP_CHECKS = {world: shared_spawn(_all_cases, world, timeout=240.0) for world in (1, 2, 3, 4)}
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"cp{w}")
 def cp_run(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
     world: int = request.param
-    per_rank = spawn(_all_cases, world, timeout=240.0)
+    per_rank = CP_CHECKS[world].run(request)
     keys = per_rank[0].keys()
     return world, {k: _combine(k.split("/")[0], k.split("/")[1], [r[k] for r in per_rank]) for k in keys}
 

@@ -36,8 +36,8 @@ from cpkv.attention import AttentionSpec, attention_forward
 from cpkv.backends.reference import ReferenceBackend
 from cpkv.comm import gather_from_sp_cp
 from cpkv.commstats import count_bytes
-from cpkv.launch import spawn
 from cpkv.plan import AttentionPlan, plan_attention, seqlens_to_cu_seqlens
+from tests.shared_spawn import shared_spawn
 from tests.test_attention_cp import _custom_layout
 
 TOL = 1e-10
@@ -168,10 +168,13 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+WORKER = {world: shared_spawn(_worker, world, timeout=240.0) for world in (2, 3)}
+
+
 @pytest.fixture(scope="module", params=[2, 3])
 def runs(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     world: int = request.param
-    return world, spawn(_worker, world, timeout=240.0)
+    return world, WORKER[world].run(request)
 
 
 @pytest.mark.timeout(300)
@@ -208,9 +211,9 @@ def test_mqa_stays_bitwise_as_main(runs: tuple[int, list[dict[str, Any]]]) -> No
         assert results["bitwise"] == {"equal_main": 1.0, "equal_shared": 1.0}
 
 
-def test_kv_heads_are_checked_before_any_collective() -> None:
+def test_kv_heads_are_checked_before_any_collective(request: pytest.FixtureRequest) -> None:
     """Bad head counts and value shapes raise on the arguments (no collective is reached), on a 1-rank group."""
-    assert spawn(_bad_heads, 1, timeout=120.0) == ["raised"]
+    assert BAD_HEADS.run(request) == ["raised"]
 
 
 def _bad_heads(rank: int, world: int) -> str:
@@ -228,3 +231,6 @@ def _bad_heads(rank: int, world: int) -> str:
     with pytest.raises(ValueError, match="spec.d_v .10. must be <= D = 8"):
         attention_forward(q, torch.randn(8, 2, 8), plan, None, spec=AttentionSpec(d_v=10))
     return "raised"
+
+
+BAD_HEADS = shared_spawn(_bad_heads, 1, timeout=120.0)

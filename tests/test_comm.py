@@ -1,6 +1,7 @@
 """Collectives on real gloo process groups (world 1-4) against single-process oracles.
 
-One spawn per world size runs every check (spawning costs seconds); the worker
+One group per world size runs every check (tests/shared_spawn.py's spawn of that size, shared
+with the other test modules: spawning costs seconds); the worker
 returns raw results and the assertions run here, against tensors rebuilt from
 the same seeds in the parent.
 """
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from cpkv.comm import all_gather_qk_weight_kvallgather, check_same_on_all_ranks, gather_from_sp_cp, global_num_seqs
 from cpkv.launch import spawn
 from cpkv.plan.sharding import shard_contiguous, shard_zigzag
+from tests.shared_spawn import shared_spawn
 
 TIMEOUT = 90.0
 
@@ -97,10 +99,13 @@ def _comm_checks(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+COMM_CHECKS = {world: shared_spawn(_comm_checks, world, timeout=TIMEOUT) for world in (1, 2, 3, 4)}
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"world{w}")
 def comm_run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     world: int = request.param
-    return world, spawn(_comm_checks, world, timeout=TIMEOUT)
+    return world, COMM_CHECKS[world].run(request)
 
 
 @pytest.mark.timeout(150)

@@ -17,9 +17,9 @@ import torch
 
 from cpkv.plan.cost import CostModel
 from cpkv.compress_mode import LayerCompressMode
-from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.v4 import Compressor, V4Attention, V4Config, reference_forward
+from tests.shared_spawn import shared_spawn
 
 LENGTHS = [3, 29, 2, 11, 21]  # 66 tokens (cp 2 and 3)
 ZIGZAG_LENGTHS = [12, 36, 24]  # 72 tokens: multiples of 2*cp at cp 2 and 3
@@ -94,9 +94,13 @@ MODE_CASES = {
 }
 
 
+MODE_CHECK = shared_spawn(mode_cases, 2, timeout=180.0)
+REACH_CHECKS = {world: shared_spawn(reach_cases, world, timeout=180.0) for world in (2, 3)}
+
+
 @pytest.mark.timeout(200)
-def test_declared_mode_at_any_ratio() -> None:
-    per_rank = spawn(mode_cases, 2, timeout=180.0)
+def test_declared_mode_at_any_ratio(request: pytest.FixtureRequest) -> None:
+    per_rank = MODE_CHECK.run(request)
     for name, config in MODE_CASES.items():
         for layout, exchange in RUNS:
             layer = V4Attention(config, seed=2).double()
@@ -113,8 +117,8 @@ def test_declared_mode_at_any_ratio() -> None:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 3])
-def test_overlapping_compressor_at_any_ratio_under_both_exchanges(world: int) -> None:
-    per_rank = spawn(reach_cases, world, timeout=180.0)
+def test_overlapping_compressor_at_any_ratio_under_both_exchanges(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = REACH_CHECKS[world].run(request)
     for ratio in RATIOS:
         for layout, exchange in RUNS:
             layer = _layer(ratio)

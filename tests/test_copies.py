@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
+from tests.shared_spawn import shared_spawn
 
 COPY_OPS = {"cat", "index_select", "clone", "copy_", "_to_copy"}
 LENGTHS = [10, 100, 6, 76]  # 192 tokens; a document straddles every boundary at cp 2 and 3
@@ -53,10 +53,13 @@ def copies(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+COPIES = {world: shared_spawn(copies, world, timeout=100.0) for world in (2, 3)}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
-def test_need_exchange_copies_no_own_hidden_and_kv_once(world: int) -> None:
-    for per_rank in spawn(copies, world, timeout=100.0):
+def test_need_exchange_copies_no_own_hidden_and_kv_once(world: int, request: pytest.FixtureRequest) -> None:
+    for per_rank in COPIES[world].run(request):
         for ratio, r in per_rank.items():
             local = r["local"]
             hidden_copies = [s for s in r["shapes"] if len(s) == 2 and s[-1] == 96 and s[0] >= local]

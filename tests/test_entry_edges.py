@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from cpkv.plan.cost import CostModel
-from cpkv.launch import spawn
 from cpkv.plan import plan_attention
 from cpkv.v4 import V4Attention, V4Config, reference_forward
+from tests.shared_spawn import shared_spawn
 
 FP8 = torch.float8_e4m3fn
 # (cp, cu_seqlens, config): the batches of the issue, and T = 0, 4, 8 at cp 4.
@@ -97,10 +97,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
 
 
+RUN = {world: shared_spawn(_run, world, timeout=200.0) for world in sorted(CASES)}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_ranks_without_entries_match_single_process(world: int) -> None:
-    per_rank = spawn(_run, world, timeout=200.0)
+def test_ranks_without_entries_match_single_process(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = RUN[world].run(request)
     for i, (cu_list, config, layout, exchange) in enumerate(_runs(world)):
         expected = _reference(cu_list, config)
         ranks = [r[i] for r in per_rank]

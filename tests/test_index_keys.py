@@ -20,9 +20,9 @@ import torch
 from cpkv.plan.cost import CostModel
 from cpkv.commstats import count_bytes
 from cpkv.index_keys import round_index_keys, round_index_queries
-from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config, reference_forward
+from tests.shared_spawn import shared_spawn
 
 LENGTHS = [9, 40, 3, 20]  # 72 tokens
 ZIGZAG_LENGTHS = [12, 36, 24]  # 72 tokens in multiples of 2*cp (cp 2, 3)
@@ -93,10 +93,13 @@ def key_dtype_cases(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+KEY_DTYPE_CASES = {world: shared_spawn(key_dtype_cases, world, timeout=180.0) for world in (2, 3)}
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [2, 3])
-def test_key_dtypes_are_exact_under_cp_and_travel_in_their_format(world: int) -> None:
-    per_rank = spawn(key_dtype_cases, world, timeout=180.0)
+def test_key_dtypes_are_exact_under_cp_and_travel_in_their_format(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = KEY_DTYPE_CASES[world].run(request)
     x_all, g_all = _inputs()
     for name, dtype in DTYPES.items():
         for layout in ("contiguous", "zigzag", "balanced"):

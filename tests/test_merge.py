@@ -8,10 +8,10 @@ import torch
 from cpkv.attention import AttentionSpec, attention_forward
 from cpkv.backends.base import AttentionResult
 from cpkv.backends.reference import range_attention, varlen_attention
-from cpkv.launch import spawn
 from cpkv.merge import merge_partials
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.sharding import shard_contiguous
+from tests.shared_spawn import shared_spawn
 
 
 def _inputs(t_q: int, t_kv: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,9 +82,12 @@ def _ring_vs_one(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+RING_VS_ONE = shared_spawn(_ring_vs_one, 3, timeout=100.0)
+
+
 @pytest.mark.timeout(120)
-def test_many_empty_rounds_equal_one_round_on_gloo() -> None:
-    for per_rank in spawn(_ring_vs_one, 3, timeout=100.0):
+def test_many_empty_rounds_equal_one_round_on_gloo(request: pytest.FixtureRequest) -> None:
+    for per_rank in RING_VS_ONE.run(request):
         for one, many in zip(per_rank["r1"], per_rank["r20"]):
             torch.testing.assert_close(many, one, rtol=1e-12, atol=1e-12)
         assert len(per_rank["errors"]) == 1 and "exchange='need'" in per_rank["errors"][0]
@@ -119,9 +122,12 @@ def _nan_sink(rank: int, world: int) -> dict[str, torch.Tensor]:
     return outs
 
 
+NAN_SINK = shared_spawn(_nan_sink, 2, timeout=100.0)
+
+
 @pytest.mark.timeout(120)
-def test_ring_rounds_propagate_a_nan_sink_on_gloo() -> None:
-    for outs in spawn(_nan_sink, 2, timeout=100.0):
+def test_ring_rounds_propagate_a_nan_sink_on_gloo(request: pytest.FixtureRequest) -> None:
+    for outs in NAN_SINK.run(request):
         for name, out in outs.items():
             assert out[:, 0].isnan().all(), name  # 0.2.0's ring2 gave finite values up to |43| here
         torch.testing.assert_close(outs["ring2"][:, 1], outs["allgather"][:, 1], rtol=1e-6, atol=1e-6)

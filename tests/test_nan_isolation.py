@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cpkv.plan.cost import CostModel
-from cpkv.launch import spawn
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.v4 import V4Attention, V4Config
+from tests.shared_spawn import shared_spawn
 
 LENGTHS = [24, 36, 12, 24]  # 96 tokens in multiples of 2*cp (zigzag); document 1 = [24, 60) straddles the cp 2 and 3 boundaries
 BAD_TOKEN = 27  # in document 1
@@ -60,10 +60,13 @@ def nan_cases(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+NAN_CASES = {world: shared_spawn(nan_cases, world, timeout=220.0) for world in (2, 3)}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_bad_token_stays_in_its_document(world: int) -> None:
-    per_rank = spawn(nan_cases, world, timeout=220.0)
+def test_a_bad_token_stays_in_its_document(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = NAN_CASES[world].run(request)
     other = torch.ones(96, dtype=torch.bool)
     other[DOC1] = False  # document 1 and its dependents
     for key in per_rank[0]:

@@ -20,10 +20,10 @@ from cpkv.attention import AttentionSpec, attention_forward
 from cpkv.backends.base import AttentionResult
 from cpkv.backends.cuda import CUDABackend
 from cpkv.backends.reference import ReferenceBackend
-from cpkv.launch import spawn
 from cpkv.plan import KeyRanges, plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.sharding import shard_contiguous
 from tests.backends.test_cuda import StandInVarlen
+from tests.shared_spawn import shared_spawn
 
 LENGTHS = [5, 70, 3, 2, 50, 14]  # 144 tokens: a document straddling every rank at cp 2-4
 WINDOWS = [None, 24]
@@ -85,10 +85,13 @@ def ring_counts(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+RING_COUNTS = {world: shared_spawn(ring_counts, world, timeout=200.0) for world in (2, 4)}
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_round_row_reaches_the_backend(world: int) -> None:
-    for rank, per_rank in enumerate(spawn(ring_counts, world, timeout=200.0)):
+def test_every_round_row_reaches_the_backend(world: int, request: pytest.FixtureRequest) -> None:
+    for rank, per_rank in enumerate(RING_COUNTS[world].run(request)):
         for key, r in per_rank.items():
             assert sum(r["backend_rows"]) == r["remote"], (rank, key, r)
             assert sum(r["kernel_rows"]) == r["remote"], (rank, key, r)

@@ -29,11 +29,11 @@ from torch import Tensor
 
 from cpkv import AttentionSpec, StepStatus, attention_forward, plan_attention
 from cpkv.bench.torch_compile import ALL_CASES, CASES, LENGTHS, MODES, case_id
-from cpkv.launch import spawn
 from cpkv.plan import seqlens_to_cu_seqlens
 from cpkv.plan.cost import CostModel
 from cpkv.v4 import V4Attention, V4Config
 from tests.host_syncs import count_host_syncs
+from tests.shared_spawn import shared_spawn
 from tests.test_agreement import Spoiled
 
 # The reference backend's primitives: kernels here (they loop over blocks on the host, the CPU oracle's way); the CUDA
@@ -130,17 +130,20 @@ def _sync_counts(rank: int, world: int) -> dict[str, tuple[int, int, int]]:
 
 
 def _run(rank: int, world: int) -> dict[str, Any]:
-    """Everything on one spawn per group size: the failures; at cp 2 also the sync counts and the steps."""
+    """Everything in one group per size (tests/shared_spawn.py): the failures; at cp 2 also the sync counts and steps."""
     result: dict[str, Any] = {"failures": _one_rank_failures(rank, world)}
     if world == 2:
         result.update(syncs=_sync_counts(rank, world), direct=_step(rank, world), hf=_hf_step(rank, world))
     return result
 
 
+RUN = {world: shared_spawn(_run, world, timeout=300.0) for world in (2, 3)}
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict[str, Any]]]:
+def runs(request: pytest.FixtureRequest) -> dict[int, list[dict[str, Any]]]:
     pytest.importorskip("transformers")
-    return {world: spawn(_run, world, timeout=300.0) for world in (2, 3)}
+    return {world: RUN[world].run(request) for world in (2, 3)}
 
 
 @pytest.mark.timeout(600)

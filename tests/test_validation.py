@@ -1,8 +1,8 @@
 """No silent wrong results: every rank raises the same clear error before any collective.
 
-One spawn per world size runs every case; after each call a barrier proves that no rank
-was left inside a collective (a rank that entered one alone would hang the barrier, and
-the spawn timeout would fail the test fast).
+One group per world size (tests/shared_spawn.py's spawn of that size) runs every case; after each
+call a barrier proves that no rank was left inside a collective (a rank that entered one alone
+would hang the barrier, and the check's timeout would fail the test fast).
 
 * every public entry point, for each invalid argument, raises on every rank with a message
   that names the argument (``BAD_CALLS``);
@@ -33,9 +33,9 @@ from cpkv import (
     global_num_seqs,
     plan_attention,
 )
-from cpkv.launch import spawn
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
+from tests.shared_spawn import shared_spawn
 
 CU = torch.tensor([0, 5, 12, 16, 24])
 SPEC = AttentionSpec(d_v=24, window=4)
@@ -154,10 +154,13 @@ def _run_all(rank: int, world: int) -> dict[str, list[str]]:
     return {"bad": messages, "disagree": _disagreeing_ranks(rank, world) if world > 1 else [], "ok": [str(out.shape), str(same)]}
 
 
+RUN_ALL = {world: shared_spawn(_run_all, world, timeout=180.0) for world in (1, 2, 3)}
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3])
 def per_rank(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, list[str]]]]:
     world: int = request.param
-    return world, spawn(_run_all, world, timeout=180.0)
+    return world, RUN_ALL[world].run(request)
 
 
 @pytest.mark.timeout(200)

@@ -3,9 +3,9 @@
 Oracle: one process, float64, the whole packed batch's logits ``hidden @ weight^T`` and
 ``F.cross_entropy(..., reduction="sum")`` over the labels shifted within each document (padding
 and ``ignore_index`` tokens excluded), divided by the batch's valid count or by a given
-accumulation normaliser. One spawn of 4 ranks runs cp 1-4 (the group of cp ``k`` is ranks
-``0..k-1``); each rank holds its contiguous shard of the hidden states. Compared: the sum of
-the ranks' losses, every rank's hidden-state gradient (its rows of the oracle's), and the head
+accumulation normaliser. One group of 4 ranks (tests/shared_spawn.py's 4-rank spawn, shared
+between test modules) runs cp 1-4 (the group of cp ``k`` is ranks ``0..k-1``); each rank holds
+its contiguous shard of the hidden states. Compared: the sum of the ranks' losses, every rank's hidden-state gradient (its rows of the oracle's), and the head
 weight's gradient summed over the ranks (``grad_reduction="sum"``) or averaged (``"mean"``); and
 the same rank's :func:`causal_lm_loss` on the whole local logits (the semantics the chunked loss
 keeps). Summation order only: measured <= 3e-15 relative; bound 1e-12. A rank-local normaliser
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.integrations.causal_lm import causal_lm_loss, causal_lm_loss_from_hidden, shift_labels
-from cpkv.launch import spawn
+from tests.shared_spawn import shared_spawn
 
 REL, IGNORE = 1e-12, -100
 H, V = 6, 29
@@ -63,9 +63,12 @@ def _ranks(rank: int, world: int) -> dict[tuple[int, str], dict[str, Any]]:
     return out
 
 
+RANKS = shared_spawn(_ranks, 4, timeout=120.0)
+
+
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[tuple[int, str], dict[str, Any]]]:
-    return spawn(_ranks, 4, timeout=120.0)
+def ranks(request: pytest.FixtureRequest) -> list[dict[tuple[int, str], dict[str, Any]]]:
+    return RANKS.run(request)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

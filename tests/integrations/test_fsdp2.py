@@ -5,7 +5,8 @@ alone (``test_transformers_lm._hf``: its float32 casts lifted to float64, ties a
 them), one SGD step; data-parallel replicas' batches averaged. The indexer, which only cpkv's
 KL loss trains (``indexer_loss=True`` everywhere here: its parameters then get gradients on
 every rank, whatever cpkv does without the loss), is compared with cpkv without FSDP on the
-same ranks. One spawn of 4 gloo ranks runs every configuration in turn:
+same ranks. One group of 4 gloo ranks (tests/shared_spawn.py's 4-rank spawn) runs every
+configuration in turn:
 
 * ``flat``: dp 2 x cp 2, parameters sharded over the flattened ``("dp", "cp")`` mesh,
   ``MixedPrecisionPolicy(param_dtype=float64, reduce_dtype=float64)`` with the default
@@ -47,7 +48,6 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="transformers>=5.23 (the transformers/test extra) is missing")
 
-from cpkv.launch import spawn  # noqa: E402
 from tests.integrations import hf_oracle  # noqa: E402
 from tests.integrations.test_transformers_lm import (  # noqa: E402
     BATCHES,
@@ -60,6 +60,7 @@ from tests.integrations.test_transformers_lm import (  # noqa: E402
     _model,
     _no_mask,
 )
+from tests.shared_spawn import TmpPath, shared_spawn  # noqa: E402
 
 WORLD, LR, MOMENTUM = 4, 0.1, 0.9
 DP_BATCHES = ("main", "other")  # data replica d reads DP_BATCHES[d]
@@ -233,10 +234,13 @@ def _configurations(rank: int, world: int, checkpoint_dir: str) -> dict[str, Any
     return results
 
 
+RUNS = shared_spawn(_configurations, WORLD, TmpPath("dcp"), timeout=240.0)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One spawn of 4 ranks runs every configuration (every rank's result; rank 0's holds the tensors)."""
-    return spawn(_configurations, WORLD, str(tmp_path_factory.mktemp("dcp")), timeout=240.0)
+def runs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """One group of 4 ranks runs every configuration (every rank's result; rank 0's holds the tensors)."""
+    return RUNS.run(request)
 
 
 # --- the oracle, in the test process --------------------------------------------------------------

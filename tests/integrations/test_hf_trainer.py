@@ -9,12 +9,13 @@ With the indexer loss (HF has none) the oracle's ``compute_loss`` is cpkv at cp 
 group in the test process. The CP side is ``CPTrainerMixin`` + ``Trainer`` on gloo ranks with
 the environment ``torchrun`` gives (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``...;
 ``use_cpu=True``), accelerate's DDP over every rank with Trainer's ``find_unused_parameters``
-(``True``: HF's indexer gets no gradient). One spawn of 4 ranks runs, with 4 SGD-momentum
+(``True``: HF's indexer gets no gradient). One group of 4 ranks runs, with 4 SGD-momentum
 steps (lr 0.1), dp 2 x cp 2 (balanced layout, need exchange; then a resume from its step-2
 checkpoint, read with HF's module as installed: ``ShippedLoad``) and dp 1 x cp 4 (zigzag,
 padded); with 3 AdamW steps (lr 1e-2, ``weight_decay=0.1``) dp 2 x cp 2 (need) and dp 1 x cp 4
-(balanced), indexer loss off and on; and a batch that differs on one rank. One spawn of 2 runs
-dp 1 x cp 2 (contiguous, padded). Compared: every step's logged loss and every final parameter.
+(balanced), indexer loss off and on; and a batch that differs on one rank. One group of 2 runs
+dp 1 x cp 2 (contiguous, padded). (The groups: tests/shared_spawn.py's spawns of 4 and 2 ranks.)
+Compared: every step's logged loss and every final parameter.
 
 Tolerances. Both sides run float64 with HF's float32 casts lifted (``hf_oracle.lifted``) and
 the oracle's indexer ties to the earlier entry, as in test_transformers_lm.py, whose
@@ -45,6 +46,7 @@ pytest.importorskip("accelerate", reason="accelerate (the test extra) is missing
 from cpkv.launch import spawn  # noqa: E402
 from tests.integrations import hf_oracle  # noqa: E402
 from tests.integrations.test_transformers_lm import IGNORE, VOCAB, _model, _no_mask  # noqa: E402
+from tests.shared_spawn import TmpPath, shared_spawn  # noqa: E402
 
 STEPS, ACCUMULATION, PER_DEVICE = 4, 2, 4  # per-device batch of dp 1 (and of the oracle); dp 2: half
 LOSS_ABS, PARAM_REL, LOGGED_REL, RESUME_REL = 1e-12, 1e-12, 1e-6, 1e-13
@@ -198,14 +200,18 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return results
 
 
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(_four_ranks, 4, str(tmp_path_factory.mktemp("four")), timeout=240.0)
+FOUR_RANKS = shared_spawn(_four_ranks, 4, TmpPath("four"), timeout=240.0)
+TWO_RANKS = shared_spawn(_two_ranks, 2, TmpPath("two"), timeout=200.0)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return spawn(_two_ranks, 2, str(tmp_path_factory.mktemp("two")), timeout=200.0)
+def four_ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return FOUR_RANKS.run(request)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return TWO_RANKS.run(request)
 
 
 # --- one process: the oracle ------------------------------------------------------------------
@@ -437,7 +443,7 @@ def _shipped_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(os.environ.get("CPKV_SLOW_TESTS") != "1", reason=(
-    "slow (a third spawn of 4 ranks and another one-process run, ~2 min on 2 busy cores): it measures the docs'"
+    "slow (a spawn of 4 ranks of its own and another one-process run, ~2 min on 2 busy cores): it measures the docs'"
     " 'shipped' figures. Run with CPKV_SLOW_TESTS=1"))
 @pytest.mark.timeout(900)
 def test_cp_trainer_against_hugging_face_as_shipped(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ per document (batch 1, positions from 0, its own sliding-window mask), with the 
 cross-entropy of each document summed and divided by the batch's count of valid labels;
 loss and every parameter gradient (``None`` in Hugging Face counts as zero: its indexer is
 never trained). The CP side is :func:`cpkv.integrations.transformers_lm.deepseek_v4_causal_lm_loss`
-on gloo ranks: one spawn of 3 ranks runs every case at cp 1-3 on the groups of ranks
-0..cp-1 (the ranks' imports of transformers dominate the cost); a second spawn of 4 ranks runs
+on gloo ranks: a group of 3 ranks runs every case at cp 1-3 on the groups of ranks
+0..cp-1 (the ranks' imports of transformers dominate the cost); a group of 4 ranks runs
 padded zigzag with the indexer loss at cp 1-4 and the cross-rank checks at cp 4. The tiny random model has
 one sliding, one CSA (ratio 4, with its indexer) and one HCA (ratio 16) layer, a hash-routed
 and two learned MoE layers, hyper-connections (``hc_mult=2``) and random sinks, position
@@ -67,6 +67,7 @@ from cpkv.integrations.causal_lm import (  # noqa: E402
 from cpkv.launch import spawn  # noqa: E402
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens  # noqa: E402
 from tests.integrations import hf_oracle  # noqa: E402
+from tests.shared_spawn import shared_spawn  # noqa: E402
 
 VOCAB, IGNORE = 64, -100
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -281,14 +282,18 @@ def _all_cp_sizes(rank: int, world: int) -> dict[int, dict[str, Any]]:
     return results
 
 
+CP_RUNS = shared_spawn(_all_cp_sizes, 3, timeout=280.0)
+
+
 @pytest.fixture(scope="module")
-def cp_runs() -> dict[int, dict[str, Any]]:
-    """One spawn of 3 ranks runs cp 1, 2 and 3; rank 0 returns the group-reduced results.
+def cp_runs(request: pytest.FixtureRequest) -> dict[int, dict[str, Any]]:
+    """One group of 3 ranks runs cp 1, 2 and 3 (tests/shared_spawn.py's 3-rank spawn); rank 0 returns the
+    group-reduced results.
 
     (cp 4 of the attention layer is tests/integrations/test_transformers.py's; the whole model
     at cp 4 on two cores cost a third of this fixture.)
     """
-    return spawn(_all_cp_sizes, 3, timeout=280.0)[0]  # type: ignore[no-any-return]
+    return CP_RUNS.run(request)[0]  # type: ignore[no-any-return]
 
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda w: f"cp{w}")
@@ -349,10 +354,13 @@ def _padding_and_ranks(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+PADDING_RUNS = shared_spawn(_padding_and_ranks, 4, timeout=240.0)
+
+
 @pytest.fixture(scope="module")
-def padding_runs() -> list[dict[str, Any]]:
-    """One spawn of 4 ranks: the padding case at cp 1-4, then the cross-rank checks at cp 4 (every rank's result)."""
-    return spawn(_padding_and_ranks, 4, timeout=240.0)
+def padding_runs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """One group of 4 ranks: the padding case at cp 1-4, then the cross-rank checks at cp 4 (every rank's result)."""
+    return PADDING_RUNS.run(request)
 
 
 @pytest.mark.timeout(300)

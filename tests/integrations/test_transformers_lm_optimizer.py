@@ -7,8 +7,8 @@ Hugging Face's indexer never (it returns integer indices) unless cpkv's indexer 
 it, a compressor whenever a document of the micro-batch holds a block of its ratio, also on
 ranks that run none (:func:`cpkv.integrations.transformers_lm.enable_deepseek_v4_cp`).
 
-One spawn of 4 gloo ranks runs a plain training loop (3 AdamW steps, ``weight_decay=0.1``,
-``lr=1e-2``) under ``DistributedDataParallel`` over all 4 ranks at dp 1 x cp 4 and dp 2 x cp 2
+One group of 4 gloo ranks (tests/shared_spawn.py's 4-rank spawn) runs a plain training loop
+(3 AdamW steps, ``weight_decay=0.1``, ``lr=1e-2``) under ``DistributedDataParallel`` over all 4 ranks at dp 1 x cp 4 and dp 2 x cp 2
 (need exchange, balanced layout), with the indexer loss off (``find_unused_parameters=True``:
 docs/integrations.md's choice) and on (``find_unused_parameters=False``: every parameter then
 gets a gradient on every rank), once at dp 2 x cp 2 with the indexer frozen
@@ -40,10 +40,10 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="transformers>=5.23 (the transformers/test extra) is missing")
 
-from cpkv.launch import spawn  # noqa: E402
 from cpkv.plan import seqlens_to_cu_seqlens  # noqa: E402
 from tests.integrations import hf_oracle  # noqa: E402
 from tests.integrations.test_transformers_lm import IGNORE, VOCAB, _model, _no_mask  # noqa: E402
+from tests.shared_spawn import shared_spawn  # noqa: E402
 
 # Per step: CP group 0's documents, CP group 1's (at dp 1 one group takes both). Each group's
 # micro-batch holds a ratio-16 block (find_unused_parameters=False needs every parameter used);
@@ -177,9 +177,12 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+FOUR_RANKS = shared_spawn(_four_ranks, 4, timeout=300.0)
+
+
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict[str, Any]]:
-    return spawn(_four_ranks, 4, timeout=300.0)
+def four_ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return FOUR_RANKS.run(request)
 
 
 # --- one process: Hugging Face's model on each document alone ---------------------------------
