@@ -313,14 +313,15 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
         total_params, layer_params = _parameters(config)
         states = total_params * 16 // world + 2 * 2 * layer_params
         options = deepseek_v4_plan_options(config)
-        kinds = {int(r): list(config.layer_types).count(t) for t, r in dict(config.compress_rates).items()}
+        types = list(config.layer_types)
+        kinds = {int(r): types.count(t) for t, r in dict(config.compress_rates).items()}  # ratio -> layers of it
+        first = {int(r): types.index(t) for t, r in dict(config.compress_rates).items()}  # ratio -> its first layer
         for cp in cps:
             rank = cp - 1
             with fake_group(rank, cp):
                 plan = plan_attention(torch.tensor([0, tokens]), cp, rank, layout="balanced", exchange="need",
                                       check_ranks=False, **options)
             plan = plan.to(torch.device("meta"))
-            first = {int(config.compress_rates[t]): list(config.layer_types).index(t) for t in config.compress_rates}
             counts = {r: count_hf_attention(config, first[r], plan, cp, rank, backend) for r in kinds}
             local = plan.local_len
             rest = count_decoder_rest(config, local)
@@ -495,28 +496,39 @@ def _loss_run(tokens: int, hidden: int, vocab: int, chunked: bool) -> Callable[[
     return make
 
 
+def _planned_run(plan: AttentionPlan, cp: int, rank: int,
+                 build: Callable[[str, AttentionPlan], Callable[[Tensor], Tensor]], hidden: int) -> Callable[[str], Callable[[], None]]:
+    """``make(device)`` for :func:`_check`: ``build(device, plan)`` gives the layer call, run forward + backward on the last rank."""
+
+    def make(device: str) -> Callable[[], None]:
+        on_device = plan.to(torch.device(device))
+        call = build(device, on_device)
+        x = torch.empty(on_device.local_len, hidden, device=device).normal_().requires_grad_()
+
+        def run() -> None:
+            with fake_group(rank, cp), no_all_to_all():
+                out = call(x)
+                out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+
+        return run
+
+    return make
+
+
 def _layer_run(ratio: int, tokens: int, cp: int) -> Callable[[str], Callable[[], None]]:
     config = V4Config(hidden=256, heads=4, head_dim=64, rope_dim=16, window=16, compress_ratio=ratio, topk=16,
                       index_heads=2, index_head_dim=32)
     rank = cp - 1
     with fake_group(rank, cp):
-        cpu_plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", compress_ratios=[ratio],
-                                  windows=[16], check_ranks=False)
+        plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", compress_ratios=[ratio],
+                              windows=[16], check_ranks=False)
 
-    def make(device: str) -> Callable[[], None]:
+    def build(device: str, on_device: AttentionPlan) -> Callable[[Tensor], Tensor]:
         with torch.device(device):
             layer = V4Attention(config)
-        plan = cpu_plan.to(torch.device(device))
-        x = torch.empty(plan.local_len, config.hidden, device=device).normal_().requires_grad_()
+        return lambda x: layer(x, on_device, None, backend="reference").out
 
-        def run() -> None:
-            with fake_group(rank, cp), no_all_to_all():
-                out = layer(x, plan, None, backend="reference").out
-                out.backward(torch.ones_like(out))
-
-        return run
-
-    return make
+    return _planned_run(plan, cp, rank, build, config.hidden)
 
 
 def _hf_attention_run(layer_index: int, tokens: int, cp: int) -> Callable[[str], Callable[[], None]]:
@@ -524,22 +536,15 @@ def _hf_attention_run(layer_index: int, tokens: int, cp: int) -> Callable[[str],
 
     config, rank = tiny_v4_config(), cp - 1
     with fake_group(rank, cp):
-        cpu_plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", check_ranks=False,
-                                  **deepseek_v4_plan_options(config))
+        plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", check_ranks=False,
+                              **deepseek_v4_plan_options(config))
 
-    def make(device: str) -> Callable[[], None]:
+    def build(device: str, on_device: AttentionPlan) -> Callable[[Tensor], Tensor]:
         attn, rotary = _hf_attention(config, layer_index, device, torch.float32)
-        plan = cpu_plan.to(torch.device(device))
-        x = torch.empty(plan.local_len, int(config.hidden_size), device=device).normal_().requires_grad_()
+        return lambda x: deepseek_v4_attention(attn, x, on_device, None, backend="reference", indexer_loss=True,
+                                               rotary_emb=rotary).out
 
-        def run() -> None:
-            with fake_group(rank, cp), no_all_to_all():
-                out = deepseek_v4_attention(attn, x, plan, None, backend="reference", indexer_loss=True, rotary_emb=rotary).out
-                out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
-
-        return run
-
-    return make
+    return _planned_run(plan, cp, rank, build, int(config.hidden_size))
 
 
 def _rest_run(tokens: int) -> Callable[[str], Callable[[], None]]:
