@@ -6,10 +6,10 @@
 projection saves). :func:`tie` returns ``out`` itself (an alias, no new storage) and, in
 backward, passes ``out``'s gradient through unchanged and gives ``token`` the addition's
 gradient, ``sum(grad)`` (a reduction, no copy): the token's graph (the ordered backward
-collectives, the indexer's injected gradients) runs when ``out``'s gradient arrives and, as
-with the addition, depends on it as data, so a compiler that schedules the backward by data
-dependencies (Inductor) cannot move the token's chain ahead of it. The tokens' values are
-never read (zero forward; their gradients feed only empty slices of the anchors).
+collectives, the indexer's injected gradients) runs when ``out``'s gradient arrives, with the
+gradient the addition gave it. The tokens' values are never read (zero forward; their
+gradients feed only empty slices of the anchors), so a zero would do as well in eager; the
+sum keeps the addition's exact gradients at the cost of one read of ``out``'s gradient.
 
 Under ``torch.compile`` the tie stays the addition: a compiled forward is also scheduled by
 data dependencies, and only a consumer of the token's value keeps the token's chain of
@@ -36,7 +36,7 @@ class _Tie(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        return grad, grad.sum().to(ctx.token_dtype)  # the addition's gradient: data-dependent on out's (see tie)
+        return grad, grad.sum().to(ctx.token_dtype)  # the addition's gradient (see the module docstring)
 
 
 def tie(out: Tensor, token: Tensor) -> Tensor:
