@@ -29,8 +29,10 @@ runs other tests' checks, each bounded by its own timeout) and resumed afterward
 
 Checks that need processes of their own stay with :func:`cpkv.launch.spawn`: one that leaves
 the group broken (a rank leaving during its peer's collective, tests/test_agreement.py), the
-compile tests (tests/test_compile.py: Dynamo's global configuration, inductor's workers), and
-the runs of examples and demos (their own launchers).
+compile tests (tests/test_compile.py and the compiled model of
+tests/integrations/test_transformers_lm.py: Dynamo's global configuration, inductor's workers),
+the Triton interpreter's (tests/backends/test_triton_cp.py, test_triton_backend.py: the
+interpreter is patched in the ranks), and the runs of examples and demos (their own launchers).
 """
 
 from __future__ import annotations

@@ -41,13 +41,13 @@ from cpkv import plan_attention
 from cpkv.backends import ReferenceBackend, reference
 from cpkv.backends.base import AttentionBackend, KeyRanges
 from cpkv.backends.npu import NPUBackend
-from cpkv.launch import spawn
 from cpkv.plan.conventions import seqlens_to_cu_seqlens
 from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens
 from cpkv.plan.segments import SegmentPlan, plan_segments
 from cpkv.plan.sharding import contiguous_shard_range, shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 from tests.backends.cann_standin import StandInCannOps
+from tests.shared_spawn import shared_spawn
 
 UNSET: Any = object()
 NO_LIMIT = 2147483647
@@ -279,9 +279,13 @@ def _layer_worker(rank: int, world: int) -> dict[tuple[str, str, str, str], dict
             for name, kind in _cases(world) for layout, exchange in COMBOS_BY_WORLD[world]}
 
 
+LAYER_CHECKS = {world: shared_spawn(_layer_worker, world, timeout=180.0) for world in (1, 2, 3, 4)}
+
+
 @pytest.fixture(scope="module")
-def layer_runs() -> dict[int, list[dict[tuple[str, str, str, str], dict[str, Any]]]]:
-    return {world: spawn(_layer_worker, world, timeout=180.0) for world in (1, 2, 3, 4)}
+def layer_runs(request: pytest.FixtureRequest) -> dict[int, list[dict[tuple[str, str, str, str], dict[str, Any]]]]:
+    """Every world's runs, from the shared group of that size (tests/shared_spawn.py)."""
+    return {world: check.run(request) for world, check in LAYER_CHECKS.items()}
 
 
 def assert_close(actual: Tensor | None, expected: Tensor | None, what: str, rtol: float = 1e-6, atol: float = 1e-9) -> None:

@@ -77,9 +77,20 @@ def _plan(layout: str, config: V4Config, world: int, rank: int, exchange: str = 
                           windows=[config.window])
 
 
-@pytest.mark.timeout(300)
-def test_layer_through_the_triton_kernels_equals_the_oracle() -> None:
-    per_rank = spawn(triton_cases, 2, timeout=280.0)
+def _both(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    return {"fp32": triton_cases(rank, world), "bf16": bf16_cases(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict[str, Any]]]:
+    """One spawn of 2 ranks runs the fp32 and the bf16 cases (``{"fp32": per_rank, "bf16": per_rank}``)."""
+    per_rank = spawn(_both, 2, timeout=540.0)
+    return {key: [r[key] for r in per_rank] for key in ("fp32", "bf16")}
+
+
+@pytest.mark.timeout(560)
+def test_layer_through_the_triton_kernels_equals_the_oracle(runs: dict[str, list[dict[str, Any]]]) -> None:
+    per_rank = runs["fp32"]
     x_all, g_all = _inputs()
     for name, config in MODES.items():
         for layout in LAYOUTS:
@@ -152,8 +163,8 @@ def _oracle(config: V4Config) -> dict[str, torch.Tensor]:
             **{f"grad {n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}}
 
 
-@pytest.mark.timeout(300)
-def test_bf16_layer_through_the_triton_kernels_within_twice_the_reference_error() -> None:
+@pytest.mark.timeout(560)
+def test_bf16_layer_through_the_triton_kernels_within_twice_the_reference_error(runs: dict[str, list[dict[str, Any]]]) -> None:
     """The rule's reference in bf16 is the same cp 2 run through the reference ops: a cp run rounds each rank's
     partial parameter gradient to bf16 before they are summed, which one process never does (the sinks'
     gradient of the indexer mode: 7.6e-3 from fp64 through the reference ops at cp 2, 1.0e-3 in one process)."""
@@ -162,7 +173,7 @@ def test_bf16_layer_through_the_triton_kernels_within_twice_the_reference_error(
     interpreted_kernels()  # puts benchmarks/ on sys.path
     from device_common import compare
 
-    per_rank = spawn(bf16_cases, 2, timeout=280.0)
+    per_rank = runs["bf16"]
     failures = []
     for name, config in BF16_MODES.items():
         plan = _plan("contiguous", config, 2, 0)

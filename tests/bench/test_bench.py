@@ -13,13 +13,13 @@ from cpkv.bench.planning import attention_planning_times, loop_plan, planning_ti
 from cpkv.bench.traffic import Dims, layer_traffic, physical_limit
 from cpkv.bench.walltime import largest_round_rows
 from cpkv.commstats import count_bytes
-from cpkv.launch import spawn
 from cpkv.plan.attention import plan_attention
 from cpkv.plan.balance import CostModel
 from cpkv.plan.conventions import seqlens_to_cu_seqlens
 from cpkv.plan.layouts import ShardLayout, contiguous_layout
 from cpkv.plan.sharding import shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
+from tests.shared_spawn import shared_spawn
 
 LENGTHS = [5, 0, 70, 3, 2, 60, 21, 0, 1, 30]  # 192 tokens
 SMALL = Dims(hidden=64, kv_dim=32, index_dim=16, window=16, element_bytes=4)  # V4Config defaults, fp32
@@ -42,10 +42,13 @@ def _real_bytes(rank: int, world: int) -> dict[str, int]:
     return counts
 
 
+REAL_BYTES = shared_spawn(_real_bytes, 3, timeout=100.0)
+
+
 @pytest.mark.timeout(120)
-def test_traffic_model_counts_what_a_real_run_receives() -> None:
-    world = 3
-    real = spawn(_real_bytes, world, timeout=100.0)
+def test_traffic_model_counts_what_a_real_run_receives(request: pytest.FixtureRequest) -> None:
+    world = REAL_BYTES.world
+    real = REAL_BYTES.run(request)
     cu = seqlens_to_cu_seqlens(LENGTHS, dtype=torch.int64)
     for rank in range(world):
         for key, received in real[rank].items():

@@ -1,23 +1,24 @@
 """CPKVCoreAttention inside real megatron-core layers at cp 2 (gloo, fp64) against the whole batch in one process.
 
-One spawn of 2 gloo ranks runs every multi-rank check (spawning and importing megatron-core
-cost seconds). Each check builds a megatron-core layer from Megatron's local (non-TE) spec
-twice: with :class:`CPKVCoreAttention` at cp 2 on a padded THD batch (every document padded
-at its end to a multiple of 2*cp, laid out in Megatron's per-document zigzag, RoPE applied by
-Megatron's attention over the padded cu_seqlens), and, with the same weights, with
-:class:`DenseCoreAttention` (below: Megatron's unfused softmax math, its ``SoftmaxOne`` for the
-offsets and its ``is_layer_window_attention``, dense per document) at cp 1 in one process on
-the *unpadded* batch. The padding rows of the cp run hold random junk. Compared: the real
-rows' outputs, the real rows' input gradients (padding rows must get exactly zero), and
-every parameter gradient summed over the CP ranks (what CP gradient reduction computes).
-The loss is ``sum(out[real] * w)`` with fixed random ``w``, so every output row feeds it.
-The block check runs two micro-batches, each with its plan carried in its
-``packed_seq_params`` (``with_plan``), both forwards under activation checkpointing before one
-backward. A V4 INDEXER layer (cpkv.v4) at cp 2 on a padded batch planned from
-``PackedSeqParams`` checks that padding does not count in the indexer loss.
+The 2-rank group shared with the other test modules (tests/shared_spawn.py: spawning and
+importing megatron-core cost seconds) runs every multi-rank check. Each check builds a
+megatron-core layer from Megatron's local (non-TE) spec twice: with :class:`CPKVCoreAttention`
+at cp 2 on a padded THD batch (every document padded at its end to a multiple of 2*cp, laid
+out in Megatron's per-document zigzag, RoPE applied by Megatron's attention over the padded
+cu_seqlens), and, with the same weights, with :class:`DenseCoreAttention` (below: Megatron's
+unfused softmax math, its ``SoftmaxOne`` for the offsets and its
+``is_layer_window_attention``, dense per document) at cp 1 in one process on the *unpadded*
+batch. The padding rows of the cp run hold random junk. Compared: the real rows' outputs, the
+real rows' input gradients (padding rows must get exactly zero), and every parameter gradient
+summed over the CP ranks (what CP gradient reduction computes). The loss is
+``sum(out[real] * w)`` with fixed random ``w``, so every output row feeds it. The block check runs two
+micro-batches, each with its plan carried in its ``packed_seq_params`` (``with_plan``), both
+forwards under activation checkpointing before one backward. A V4 INDEXER layer (cpkv.v4) at
+cp 2 on a padded batch planned from ``PackedSeqParams`` checks that padding does not count in
+the indexer loss.
 
 The kv heads: a sweep of 16-query-head layers over 1 (MQA), 2, 4, 8 (GQA) and 16 (MHA) kv
-heads, and the MLA layer (per-head keys and values), each at cp 2, 3 and 4 (one spawn per cp),
+heads, and the MLA layer (per-head keys and values), each at cp 2, 3 and 4 (the shared group of each size),
 with windows, learnable or off-by-one offsets, padding and every ``cp_comm_type`` cpkv maps
 (``None``, ``"p2p"``, ``"all_gather"``, ``"a2a"``: both exchanges), built from
 ``get_gpt_decoder_block_spec`` through ``use_cpkv_core_attention``. Their cpkv collectives are
@@ -57,7 +58,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cpkv.launch import spawn
 
 pytest.importorskip("megatron.core", reason="megatron-core (test extra) is missing")
 
@@ -66,6 +66,7 @@ from cpkv.commstats import count_bytes  # noqa: E402
 from cpkv.integrations.megatron_attention import (  # noqa: E402
     PLAN_ATTRIBUTE, CPKVCoreAttention, megatron_exchange, megatron_window, plan_of, use_cpkv_core_attention, with_plan,
 )
+from tests.shared_spawn import shared_spawn  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")  # megatron-core's TransformerConfig
 
@@ -532,14 +533,18 @@ def _wide_checks(rank: int, world: int) -> dict[str, float]:
     return results
 
 
+CP_CHECK = shared_spawn(_all_checks, CP, timeout=240.0)
+WIDE_CHECKS = {cp: shared_spawn(_wide_checks, cp, timeout=300.0) for cp in WIDE_CPS}
+
+
 @pytest.fixture(scope="module")
-def cp_results() -> list[dict[str, float]]:
-    return spawn(_all_checks, CP, timeout=240.0)
+def cp_results(request: pytest.FixtureRequest) -> list[dict[str, float]]:
+    return CP_CHECK.run(request)
 
 
 @pytest.fixture(scope="module", params=WIDE_CPS)
 def wide_results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, float]]]:
-    return request.param, spawn(_wide_checks, request.param, timeout=300.0)
+    return request.param, WIDE_CHECKS[request.param].run(request)
 
 
 def _assert_matches(results: list[dict[str, float]], case: str) -> None:

@@ -4,10 +4,11 @@ Oracle: the ``transformers`` module itself (eager path, batch 1, positions from 
 sliding-window causal mask), once per document; zero-length documents contribute nothing.
 The CP side runs :func:`cpkv.integrations.transformers.deepseek_v4_attention_forward` on gloo
 ranks, every layer type (sliding, CSA with its indexer, HCA), every layout (contiguous,
-per-document zigzag, balanced) under both exchanges, at cp 1-4 (one spawn of 4 ranks runs every case at every
-cp size on the groups of ranks 0..cp-1: the ranks' imports of transformers dominate the cost). Compared:
-outputs and input gradients in natural order, and every parameter gradient summed over
-ranks (what CP gradient reduction does), all in float64 with a tiny random config.
+per-document zigzag, balanced) under both exchanges, at cp 1-4 (the 4-rank group shared with
+other test modules, tests/shared_spawn.py, runs every case at every cp size on the groups of
+ranks 0..cp-1: the ranks' imports of transformers dominate the cost). Compared: outputs and
+input gradients in natural order, and every parameter gradient summed over ranks (what CP
+gradient reduction does), all in float64 with a tiny random config.
 
 Tolerances. HF computes its RMSNorms, RoPE, the gate softmax and the indexer scores in
 float32 even in a float64 module; the adapter computes them in float64. Against HF with
@@ -31,9 +32,9 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4", reason="transformers>=5.23 (the transformers/test extra) is missing")
 
-from cpkv.launch import spawn  # noqa: E402
 from cpkv.plan import plan_attention, seqlens_to_cu_seqlens  # noqa: E402
 from tests.integrations import hf_oracle  # noqa: E402
+from tests.shared_spawn import shared_spawn  # noqa: E402
 
 HIDDEN, WINDOW = 64, 8
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -148,10 +149,13 @@ def _combine(layout: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {"out": cat("out"), "grad_x": cat("grad_x"), "params": params}
 
 
+CP_CHECK = shared_spawn(_all_cp_sizes, 4, timeout=240.0)
+
+
 @pytest.fixture(scope="module")
-def cp_runs() -> dict[int, list[dict[str, Any]]]:
-    """One spawn of 4 ranks runs every cp size (each spawned rank imports transformers: ~5 s of CPU)."""
-    per_rank = spawn(_all_cp_sizes, 4, timeout=240.0)
+def cp_runs(request: pytest.FixtureRequest) -> dict[int, list[dict[str, Any]]]:
+    """The shared 4-rank group runs every cp size (each spawned rank imports transformers: ~5 s of CPU)."""
+    per_rank = CP_CHECK.run(request)
     return {cp_size: [r[cp_size] for r in per_rank[:cp_size]] for cp_size in range(1, 5)}
 
 

@@ -9,6 +9,7 @@ out of the dense terms and checked key by key in test_balance.py.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from cpkv.plan.cost import CostModel, deepseek_v4_dense_terms
+from tests.shared_spawn import shared_spawn
 
 T = 24
 
@@ -149,11 +151,14 @@ def _megatron_case(rank: int, world: int) -> dict[str, int]:
     return out
 
 
-def test_megatron_terms_match_the_flop_counter() -> None:
-    pytest.importorskip("megatron.core", reason="megatron-core (test extra) is missing")
-    from cpkv.launch import spawn
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+MEGATRON_CASE = shared_spawn(_megatron_case, 1, timeout=300.0) if HAVE_MEGATRON else None
 
-    got = spawn(_megatron_case, 1, timeout=300.0)[0]
+
+def test_megatron_terms_match_the_flop_counter(request: pytest.FixtureRequest) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core (test extra) is missing")
+    assert MEGATRON_CASE is not None
+    got = MEGATRON_CASE.run(request)[0]
     assert got["gqa"] > 0 and got["gqa"] == got["gqa_modeled"], got
     assert got["gqa_window"] == 6 * 1000 + 10  # window left + 1, on the one layer
     assert got["gqa_key"] == 4 * 12
