@@ -338,7 +338,11 @@ def causal_lm_loss_from_hidden(
     Args:
         hidden: ``[T/cp, H]`` this rank's final hidden states (after the last norm), in the
             shard order of ``labels``.
-        weight: ``[V, H]`` the head's weight (no bias), ``hidden``'s dtype and device.
+        weight: ``[V, H]`` the head's weight (no bias), ``hidden``'s dtype and device. Where the
+            head is its own FSDP2 unit, its ``weight`` outside the head's call is the sharded
+            ``DTensor``: call this from inside the head's call, with its returned loss an output
+            of that call, as :func:`~cpkv.integrations.transformers_lm.deepseek_v4_causal_lm_loss`
+            does (its hooks), or leave the head in its parent's unit.
         labels, group, num_items_in_batch, ignore_index, grad_reduction: as in :func:`causal_lm_loss`.
         chunk_size: tokens per chunk, ``>= 1`` (default
             :data:`~cpkv.integrations.linear_cross_entropy.DEFAULT_CHUNK_SIZE`, 1024: 0.5 GB of

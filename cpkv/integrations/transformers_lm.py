@@ -337,9 +337,16 @@ def _forward_with_head_loss(
 ) -> tuple[Any, Tensor]:
     """``model(**inputs)`` with the loss taken from the head's input: ``(output, loss_of(hidden [T/cp, H], head.weight))``.
 
-    A forward pre-hook of ``head``, registered for this call only, computes the loss where the
-    head runs (its weight as the head's forward sees it, e.g. gathered by FSDP) and, unless
-    ``return_logits``, hands the head zero tokens: no ``[T/cp, V]`` logits are made.
+    Three hooks of ``head``, registered for this call only, make the loss part of the head's
+    call: a forward pre-hook computes it where the head runs (its input and weight as the
+    head's forward sees them, e.g. cast and gathered by FSDP2, whose own pre-hook comes first)
+    and, unless ``return_logits``, hands the head zero tokens, so no ``[T/cp, V]`` logits are
+    made; a forward hook put first returns ``(logits, loss)``, so that the hooks of a wrapper
+    that come after it (FSDP2's post-forward: resharding the weight, and a pre-backward hook on
+    every output that gathers the weight again before its gradient) treat the loss as an output
+    of the head; a forward hook put last returns the logits alone to the model. (With only the
+    pre-hook, a head that is its own FSDP2 unit freed its gathered weight after the forward and
+    the loss's backward read an empty storage.)
     """
     losses: list[Tensor] = []
 
@@ -351,11 +358,19 @@ def _forward_with_head_loss(
         losses.append(loss_of(hidden.reshape(-1, hidden.shape[-1]), weight))
         return None if return_logits else (hidden[..., :0, :],)
 
-    handle = head.register_forward_pre_hook(take_hidden)
+    def expose_loss(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> tuple[Any, Tensor]:
+        return output, losses[-1]
+
+    def hide_loss(module: torch.nn.Module, args: tuple[Any, ...], output: tuple[Any, Tensor]) -> Any:
+        return output[0]
+
+    handles = [head.register_forward_pre_hook(take_hidden), head.register_forward_hook(expose_loss, prepend=True),
+               head.register_forward_hook(hide_loss)]
     try:
         output = model(**inputs)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if len(losses) != 1:
         raise TypeError(f"model must be a DeepseekV4ForCausalLM whose forward runs its lm_head once, it ran {len(losses)} times")
     return output, losses[0]

@@ -19,6 +19,11 @@ configuration in turn:
 * ``hsdp``: replicated over dp, sharded over cp (a 2-D mesh), with activation checkpointing of
   the decoder layers (Hugging Face's, non-reentrant).
 * ``cp4``: dp 1 x cp 4.
+* ``head_unit`` and ``head_group``: as ``flat``, with the ``lm_head`` its own FSDP2 unit, and
+  the final norm and the ``lm_head`` one unit (torchtitan shards its output layer so): the
+  chunked loss reads the head's weight inside the head's call, gathered, and again in its
+  backward (before the fix, the head's unit freed the gathered weight after the forward and
+  the loss's backward read an empty storage).
 * ``bf16``: dp 2 x cp 2 flattened, ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)`` with the default cast, Hugging Face's casts as shipped; both data
   replicas read the main batch, the one Hugging Face's bf16 model runs on.
@@ -64,7 +69,7 @@ from tests.shared_spawn import TmpPath, shared_spawn  # noqa: E402
 
 WORLD, LR, MOMENTUM = 4, 0.1, 0.9
 DP_BATCHES = ("main", "other")  # data replica d reads DP_BATCHES[d]
-CONFIGS = {"flat": 2, "dp_only": 2, "hsdp": 2, "cp4": 1, "bf16": 2}  # name -> dp
+CONFIGS = {"flat": 2, "dp_only": 2, "hsdp": 2, "cp4": 1, "bf16": 2, "head_unit": 2, "head_group": 2}  # name -> dp
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -83,8 +88,9 @@ def _loss_call(model: Any, group: Any, key: str, grad_reduction: str) -> Any:
     )
 
 
-def _sharded(model: Any, mesh: Any, *, mp: Any = None, checkpointing: bool = False) -> Any:
-    """``model`` with cpkv's forward, each decoder layer and the root ``fully_shard``-ed over ``mesh``."""
+def _sharded(model: Any, mesh: Any, *, mp: Any = None, checkpointing: bool = False, head: str = "") -> Any:
+    """``model`` with cpkv's forward, each decoder layer and the root ``fully_shard``-ed over ``mesh``; ``head="unit"``:
+    the ``lm_head`` its own unit too, ``head="group"``: the final norm and the ``lm_head`` one unit (torchtitan's way)."""
     from torch.distributed.fsdp import fully_shard
 
     from cpkv.integrations.transformers_lm import enable_deepseek_v4_cp
@@ -98,6 +104,8 @@ def _sharded(model: Any, mesh: Any, *, mp: Any = None, checkpointing: bool = Fal
     options = {} if mp is None else {"mp_policy": mp}
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **options)
+    if head:
+        fully_shard(model.lm_head if head == "unit" else [model.model.norm, model.lm_head], mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
 
@@ -216,7 +224,8 @@ def _configurations(rank: int, world: int, checkpoint_dir: str) -> dict[str, Any
               _sharded(copy.deepcopy(base), mesh["dp"]),
               _sharded(copy.deepcopy(base), mesh, checkpointing=True),  # a 2-D mesh: replicate over dp, shard over cp
               _sharded(copy.deepcopy(base), cp4["dp", "cp"]._flatten("dp_cp4")),
-              _sharded(copy.deepcopy(base), flat, mp=bf16), base]
+              _sharded(copy.deepcopy(base), flat, mp=bf16), base,
+              _sharded(copy.deepcopy(base), flat, mp=exact, head="unit"), _sharded(copy.deepcopy(base), flat, mp=exact, head="group")]
     optimizers = [_sgd(m) for m in models]
     with _no_mask():
         with hf_oracle.lifted():
@@ -228,6 +237,8 @@ def _configurations(rank: int, world: int, checkpoint_dir: str) -> dict[str, Any
             results["dp_only"] = _step(models[2], optimizers[2], cp_group, key, "sum", cp_group)
             results["hsdp"] = _step(models[3], optimizers[3], mesh["cp"], key, "mean")
             results["cp4"] = _step(models[4], optimizers[4], cp4["cp"], "main", "mean")
+            results["head_unit"] = _step(models[7], optimizers[7], mesh["cp"], key, "mean")
+            results["head_group"] = _step(models[8], optimizers[8], mesh["cp"], key, "mean")
         results["bf16"] = _step(models[5], optimizers[5], mesh["cp"], "main", "mean")  # both replicas: HF's batch
     if rank != 0:  # the others' full tensors are rank 0's
         results = {"groups": results["groups"], "resume": results["resume"]}
@@ -278,7 +289,7 @@ def _l2(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], names: list
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", ["flat", "dp_only", "hsdp", "cp4"])
+@pytest.mark.parametrize("config", ["flat", "dp_only", "hsdp", "cp4", "head_unit", "head_group"])
 def test_float64_step_equals_one_process(runs: list[dict[str, Any]], config: str) -> None:
     """Loss, every gradient and every parameter after one SGD step equal HF's, each document alone (dp batches averaged)."""
     dp, got = CONFIGS[config], runs[0][config]
