@@ -9,6 +9,10 @@ of outputs and gradients against eager. The case list and the per-rank runners l
 that tests/test_compile.py (a cover of the cases, with ``aot_eager``) and this report run the
 same code. (``benchmarks/compile_report.py`` is another job: the Triton kernels compiled for
 sm_90a.)
+
+``python -m cpkv.bench.torch_compile --packings 20 [--backend aot_eager]`` reports instead how
+many graphs each compress mode's compiled layer collects over 20 steps whose documents change
+(the same tokens packed anew each step): what a training run's compiled layers recompile.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.cost import CostModel
 from cpkv.v4 import V4Attention, V4Config
 
-__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "main"]
+__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "graphs_over_packings", "main"]
 
 MODES = {
     "window": V4Config(compress_ratio=0, window=8),
@@ -140,12 +144,62 @@ def compile_gqa(rank: int, world: int, cases: list[tuple[str, str, int]], backen
     return results
 
 
+def graphs_over_packings(rank: int, world: int, mode: str, packings: int, backend: str, tokens: int = 96) -> list[int]:
+    """Graphs Dynamo holds for ``V4Attention.forward`` after each of ``packings`` steps (need exchange, contiguous).
+
+    Every step packs the same ``tokens`` into new random documents (1-7 of them, the same
+    boundaries on every rank) and runs the compiled layer forward and backward; the count is
+    Dynamo's ``unique_graphs`` for the one compiled function, so a step that recompiled adds one.
+    Dynamo's recompile limit is raised to 64 here so that the count can pass the default (8),
+    where ``fullgraph=True`` fails and ``fullgraph=False`` runs the function eagerly.
+    """
+    import random
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.config.recompile_limit = 64
+    config = MODES[mode]
+    layer = V4Attention(config, seed=5)
+    compiled = torch.compile(layer.forward, fullgraph=True, backend=backend)
+    torch._dynamo.reset()
+    counters.clear()
+    rng, gen = random.Random(0), torch.Generator().manual_seed(1)
+    ratios = [config.compress_ratio] if config.mode.compresses else []
+    graphs = []
+    for _ in range(packings):
+        cuts = sorted(rng.sample(range(1, tokens), rng.randint(0, 6)))
+        cu = seqlens_to_cu_seqlens([b - a for a, b in zip([0, *cuts], [*cuts, tokens])])
+        plan = plan_attention(cu, world, rank, exchange="need", compress_ratios=ratios, windows=[config.window],
+                              cost_model=CostModel.from_v4(config))
+        x, grad = (torch.randn(plan.local_len, config.hidden, generator=gen) for _ in range(2))
+        _call(layer, compiled, x, plan, grad)
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    return graphs
+
+
+def _packings_table(cp: int, packings: int, backend: str, modes: list[str]) -> None:
+    print(f"| mode (need exchange, cp {cp}) | graphs per rank after {packings} packings | step of the last new graph, per rank |")
+    print("|---|---|---|")
+    for mode in modes:
+        per_rank = spawn(graphs_over_packings, cp, mode, packings, backend, timeout=900.0)
+        last = [next(i + 1 for i, g in enumerate(graphs) if g == graphs[-1]) for graphs in per_rank]
+        print(f"| {mode} | {', '.join(str(g[-1]) for g in per_rank)} | {', '.join(map(str, last))} |", flush=True)
+    print("\n(Dynamo's default recompile limit: 8 graphs per function; raised to 64 for this count)")
+
+
 def main() -> int:
     """Compile every case on ``--cp`` gloo ranks and print the table; 1 if any case failed to compile as one graph."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     parser.add_argument("--cp", type=int, default=2, choices=[1, 2, 3, 4])
+    parser.add_argument("--packings", type=int, default=0,
+                        help="instead: the graphs each mode's layer compiles over this many random packings")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="with --packings")
     args = parser.parse_args()
+    if args.packings:
+        _packings_table(args.cp, args.packings, args.backend, args.modes)
+        return 0
     print(f"| case | fullgraph | graph breaks | first call s ({args.backend}) | max rel. error vs eager |")
     print("|---|---|---|---|---|")
     failed = False
