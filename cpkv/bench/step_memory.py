@@ -385,6 +385,23 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
     return lines
 
 
+def _fits_clause(parts: list[StepRow]) -> str:
+    """Which devices the rows' totals fit and from which cp, e.g. "it fits an H200 from cp 32 but no 64 GB device at any of cp 8-64"."""
+    span = f"cp {min(r.cp for r in parts)}-{max(r.cp for r in parts)}"
+    fit, miss = [], []
+    for device, cap in (("H200", H200), ("64 GB device", ASCEND)):
+        ok = [r.cp for r in parts if r.total <= cap]
+        if ok:
+            fit.append(f"{'an' if device[0] == 'H' else 'a'} {device} from cp {min(ok)}")
+        else:
+            miss.append(device)
+    if not fit:
+        return f"it fits neither an H200 nor a 64 GB device at any of {span}"
+    if not miss:
+        return "it fits " + " and ".join(fit)
+    return f"it fits {fit[0]} but no {miss[0]} at any of {span}"
+
+
 def reading_lines(rows: list[StepRow]) -> list[str]:
     """One paragraph read off the rows: what dominates, and the smallest cp that fits each device."""
     sentences = []
@@ -398,13 +415,9 @@ def reading_lines(rows: list[StepRow]) -> list[str]:
             terms = {"states": worst.states, "attention activations": worst.attention_saved, "decoder-rest activations (mHC, MoE, norms)": worst.rest_saved,
                      "checkpointed layer inputs": worst.checkpoints}
             top = max(terms, key=lambda k: terms[k])
-            fits = []
-            for name, cap in (("an H200", H200), ("a 64 GB device", ASCEND)):
-                ok = [r.cp for r in parts if r.total <= cap]
-                fits.append(f"{name} from cp {min(ok)}" if ok else f"{name} at no cp up to {max(r.cp for r in parts)}")
             sentences.append(
                 f"{model} {'with' if ckpt else 'without'} activation checkpointing: {top} dominate"
-                f" ({_gb(terms[top])} of {_gb(worst.total)} GB at cp {worst.cp}); it fits {' and '.join(fits)}."
+                f" ({_gb(terms[top])} of {_gb(worst.total)} GB at cp {worst.cp}); {_fits_clause(parts)}."
             )
     largest = max(rows, key=lambda r: r.transient)
     return ["", "Reading: " + " ".join(sentences) + " The loss (chunked) and the exchange's receive buffers stay a few GB"

@@ -15,7 +15,7 @@ import torch
 
 from cpkv.bench.__main__ import main
 from cpkv.bench.memory_report import BEGIN, END, kept_section
-from cpkv.bench.step_memory import MemoryCounter, saved_bytes
+from cpkv.bench.step_memory import MemoryCounter, StepRow, reading_lines, saved_bytes
 
 
 def test_counter_counts_new_storages_not_views_and_drops_freed_ones() -> None:
@@ -50,3 +50,17 @@ def test_memory_smoke_run_writes_its_section_and_the_counter_matches_the_allocat
     checks = [r for r in rows if "loss, T" in r[0] or "attention" in r[0] or "decoder rest" in r[0]]
     assert len(checks) == 7
     assert all(0.9 <= float(r[-1]) <= 1.1 for r in checks), checks  # counted on meta / measured (custom ops as outputs)
+
+
+def test_reading_names_the_smallest_cp_each_device_fits_and_the_devices_none_fits() -> None:
+    def row(cp: int, states_gb: float) -> StepRow:
+        return StepRow(model="M", cp=cp, tokens=1 << 20, checkpointing=True, states=states_gb * 1e9, attention_saved=0.0,
+                       rest_saved=0.0, checkpoints=0.0, largest="t", transient_in="decoder rest", transient=0.0,
+                       exchange=0.0, indexer=0.0, loss=0.0)
+
+    def reading(states_gb: list[float]) -> str:
+        return " ".join(reading_lines([row(cp, gb) for cp, gb in zip((8, 16, 32), states_gb, strict=True)]))
+
+    assert "it fits an H200 from cp 16 and a 64 GB device from cp 32." in reading([200.0, 100.0, 50.0])
+    assert "it fits an H200 from cp 32 but no 64 GB device at any of cp 8-32." in reading([300.0, 200.0, 100.0])
+    assert "it fits neither an H200 nor a 64 GB device at any of cp 8-32." in reading([300.0, 200.0, 150.0])
