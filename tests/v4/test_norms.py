@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4UnweightedRMSNorm
 
-from cpkv.bench.step_memory import saved_bytes
+from cpkv.bench.step_memory import MemoryCounter, saved_bytes
+from cpkv.v4 import norms
 from cpkv.v4.norms import unweighted_rms_norm
 
 
@@ -53,3 +54,37 @@ def test_keeps_the_input_and_one_factor_per_row_not_a_float32_copy() -> None:
 def test_rejects_an_empty_last_dim() -> None:
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., D\] with D > 0"):
         unweighted_rms_norm(torch.zeros(3, 0), 1e-6)
+
+
+def test_chunked_rows_give_the_one_shot_values_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 3, 40, generator=gen) * 3).bfloat16()
+    grad = torch.randn(7, 3, 40, generator=gen).bfloat16()
+
+    def forward_backward() -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = x.clone().requires_grad_()
+        out = unweighted_rms_norm(leaf, 1e-6)
+        out.backward(grad)
+        assert leaf.grad is not None
+        return out.detach(), leaf.grad
+
+    one_shot = forward_backward()  # 21 rows of 40: one chunk at the default size
+    monkeypatch.setattr(norms, "ROW_CHUNK_ELEMENTS", 4 * 40)  # chunks of 4 rows, the last of 1
+    chunked = forward_backward()
+    assert torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1])
+    assert torch.equal(chunked[0], DeepseekV4UnweightedRMSNorm(eps=1e-6)(x))
+
+
+def test_float32_temporaries_stay_within_one_chunk_at_any_length() -> None:
+    # 65,536 rows of 512 bf16 (the queries of 1,024 tokens, 64 heads): the float32 copy of x alone would be 128 MiB
+    x = torch.empty(1024, 64, 512, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    counter = MemoryCounter()
+    with counter:
+        out = unweighted_rms_norm(x, 1e-6)
+        out.backward(torch.empty_like(out))
+    chunk = norms.ROW_CHUNK_ELEMENTS * 4
+    assert counter.largest == x.numel() * 2  # the output and the gradient, bf16; no float32 tensor the size of x
+    rows = x.numel() // x.shape[-1]
+    # out, dx and the incoming gradient (bf16), one chunk's work (x * g and the correction in bf16, the correction
+    # in float32: two chunks' worth of float32 bytes), the float32 factors per row and one derived from them
+    assert counter.peak <= 3 * x.numel() * 2 + 2 * chunk + 2 * rows * 4
