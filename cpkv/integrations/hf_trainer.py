@@ -54,6 +54,7 @@ from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_int
 from cpkv.integrations.causal_lm import shift_labels
 from cpkv.integrations.collate import packed_batch
+from cpkv.integrations.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from cpkv.integrations.transformers_lm import (
     DeepseekV4CausalLMOutput,
     deepseek_v4_causal_lm_loss,
@@ -322,6 +323,12 @@ class CPTrainerMixin(_TrainerBase):
             step's queries and divided by the step's ``num_items_in_batch`` (the language
             loss's normaliser), so its gradient, like the language loss's, does not depend on
             how the step splits into micro-batches, CP groups or ranks.
+        loss_chunk_size: tokens per chunk of the causal-LM loss, computed from the head's
+            input and weight without the whole ``[T/cp, V]`` logits (``>= 1``; default
+            :data:`~cpkv.integrations.linear_cross_entropy.DEFAULT_CHUNK_SIZE`, 1024), as
+            :func:`deepseek_v4_causal_lm_loss`'s ``chunk_size``. A chunk's float32 logits
+            and their gradient (``8 * chunk * V`` bytes) live at once; the values do not
+            depend on it beyond float round-off.
 
     Parameters without a gradient: without ``indexer_loss`` the indexers get none, and a
     compressor gets none from a micro-batch without a block of its ratio (as in one process).
@@ -348,7 +355,7 @@ class CPTrainerMixin(_TrainerBase):
     def __init__(
         self, model: Any = None, args: Any = None, *more: Any, cp: int | ProcessGroup | Any = 1,
         layout: Layout = "balanced", exchange: Exchange = "need", backend: BackendName | AttentionBackend = "auto",
-        indexer_loss: bool = False, **kwargs: Any,
+        indexer_loss: bool = False, loss_chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any,
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -356,6 +363,7 @@ class CPTrainerMixin(_TrainerBase):
             raise ValueError(f"exchange must be 'allgather' or 'need', got {exchange!r}")
         if not isinstance(indexer_loss, bool):
             raise TypeError(f"indexer_loss must be a bool, got {type(indexer_loss).__name__}")
+        check_int("loss_chunk_size", loss_chunk_size, minimum=1)
         config = getattr(args, "parallelism_config", None)
         if config is not None and getattr(config, "cp_size", 1) > 1:
             raise ValueError(
@@ -369,6 +377,7 @@ class CPTrainerMixin(_TrainerBase):
         self.cp_exchange: Exchange = exchange
         self.cp_backend: BackendName | AttentionBackend = backend
         self.cp_indexer_loss = indexer_loss
+        self.cp_loss_chunk_size = loss_chunk_size
         self.cp_mesh = data_cp_mesh(cp, device_type=self.args.device.type)
 
     def get_train_dataloader(self) -> Any:
@@ -410,6 +419,7 @@ class CPTrainerMixin(_TrainerBase):
             model, ids, self.cp_mesh.cp_group, cu_seqlens=cu, labels=labels, layout=self.cp_layout,
             exchange=self.cp_exchange, grad_reduction="mean", num_items_in_batch=count, ignore_index=IGNORE_INDEX,
             backend=self.cp_backend, padding=padding, indexer_loss=self.cp_indexer_loss, grad_scale=indexer_scale,
+            chunk_size=self.cp_loss_chunk_size,
         )
 
     def compute_loss(

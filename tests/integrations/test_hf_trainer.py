@@ -176,7 +176,8 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     results["checkpoint"] = os.path.join(run, "checkpoint-4")
     resumed = _cp_trainer(os.path.join(tmp, "resumed"), 2, docs, 2, trainer_options={"exchange": "need"}, **saving)
     results["resumed"] = _train(resumed, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
-    results["cp4"] = _train(_cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options={"layout": "zigzag"}))
+    cp4 = {"layout": "zigzag", "loss_chunk_size": 3}  # the loss over several chunks per micro-batch
+    results["cp4"] = _train(_cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options=cp4))
     for mesh, cp, dp, options in (("dp2cp2", 2, 2, {"exchange": "need"}), ("cp4", 4, 1, {})):  # balanced: no padding
         for indexer in ("off", "on"):
             key = f"adamw/{mesh}/{indexer}"
@@ -320,7 +321,7 @@ def _check(got: dict[str, Any], want: dict[str, Any], steps: int = STEPS, param_
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("run", ["dp2cp2", "cp4"])
 def test_cp_trainer_equals_one_process(four_ranks: list[dict[str, Any]], one_process: dict[str, Any], run: str) -> None:
-    """dp 2 x cp 2 (balanced, need) and dp 1 x cp 4 (zigzag): every step's loss and every final parameter."""
+    """dp 2 x cp 2 (balanced, need) and dp 1 x cp 4 (zigzag, 3-token loss chunks): every step's loss and every final parameter."""
     _check(four_ranks[0][run], one_process)
     if run == "dp2cp2":  # the trainer's defaults: balanced by the model's own cost, need exchange
         assert four_ranks[0][run]["planned"] == {("balanced", "need", True)}
@@ -524,6 +525,31 @@ def test_the_trainer_refuses_accelerates_own_cp_and_unknown_options() -> None:
         CPTrainer(model=None, args=None, layout="ring")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="DeepseekV4ForCausalLM or DeepseekV4Model"):
         CPTrainer(model=torch.nn.Linear(2, 2), args=None)
+    with pytest.raises(ValueError, match="loss_chunk_size must be >= 1, got 0"):
+        CPTrainer(model=None, args=None, loss_chunk_size=0)
+    with pytest.raises(TypeError, match="loss_chunk_size must be an int, got float"):
+        CPTrainer(model=None, args=None, loss_chunk_size=512.0)  # type: ignore[arg-type]
+
+
+def test_cp_loss_hands_the_trainers_options_to_the_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``cp_loss`` passes to ``deepseek_v4_causal_lm_loss`` (the call itself is checked against one process above)."""
+    from types import SimpleNamespace
+
+    from cpkv.integrations import hf_trainer
+
+    class Mixin(hf_trainer.CPTrainerMixin):
+        pass
+
+    trainer = object.__new__(Mixin)  # the options as __init__ stores them, without Trainer or a process group
+    trainer.cp_layout, trainer.cp_exchange, trainer.cp_backend = "balanced", "allgather", "reference"
+    trainer.cp_indexer_loss, trainer.cp_loss_chunk_size = False, 7
+    trainer.cp_mesh = SimpleNamespace(dp_size=1, cp_size=1, cp_group=None)  # type: ignore[assignment]
+    monkeypatch.setattr(hf_trainer, "deepseek_v4_causal_lm_loss", lambda *args, **kwargs: kwargs)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    inputs = {"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 0, 1]])}
+    passed: Any = trainer.cp_loss(None, inputs, num_items_in_batch=2)
+    assert passed["chunk_size"] == 7 and passed["exchange"] == "allgather" and passed["layout"] == "balanced"
+    assert passed["indexer_loss"] is False and passed["num_items_in_batch"] == 2
 
 
 # --- the example, at CI size ---------------------------------------------------------------------
