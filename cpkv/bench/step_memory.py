@@ -23,13 +23,15 @@ group, this module's :class:`MemoryCounter`):
   ``DeepseekV4DecoderLayer`` at the model's dims with its attention replaced by a copy: the mHC
   blocks, norms, router, shared and routed experts (through Hugging Face's ``grouped_mm``
   experts path, whose shapes are static; the eager per-expert loop's are data-dependent).
-* **parameters**: ``DeepseekV4ForCausalLM(config)`` built on meta and its parameters counted.
+* **training state** (:func:`fsdp2_states`): ``DeepseekV4ForCausalLM(config)`` built on meta,
+  ``fully_shard`` (bf16 parameters, float32 reduction) of each decoder layer and the root over a
+  fake group of ``world`` ranks, and an ``AdamW`` step on the shards: the rank's float32
+  parameter shards as FSDP2 pads them, as many float32 gradient bytes, AdamW's state, and two
+  decoder layers' bf16 all-gather outputs (the running layer and the prefetched one).
 
-**What is arithmetic, not counted** (labelled in the table): FSDP2 state per parameter (float32
-master, float32 gradient, Adam's two float32 moments: 16 bytes, sharded over ``world``; plus the
-bf16 parameters of two decoder layers gathered at once, the current one and the prefetched
-one); with activation checkpointing, the layer inputs kept (``[T/cp, hc_mult, hidden]`` bf16 per
-layer) and one layer's activations recomputed at a time.
+**What is arithmetic, not counted** (labelled in the table): with activation checkpointing, the
+layer inputs kept (``[T/cp, hc_mult, hidden]`` bf16 per layer) and one layer's activations
+recomputed at a time; the gradient shards (the parameter shards' sizes).
 
 The counter is checked on CPU at small sizes (:func:`counter_checks`): the same counter on
 meta tensors against the allocator's peak of a real run (``torch.profiler`` memory events:
@@ -59,11 +61,13 @@ __all__ = [
     "CounterCheck",
     "LayerCount",
     "MemoryCounter",
+    "StatesCount",
     "StepRow",
     "counter_check_lines",
     "counter_checks",
     "count_decoder_rest",
     "count_layer",
+    "fsdp2_states",
     "reading_lines",
     "step_memory_lines",
     "step_memory_table",
@@ -245,6 +249,7 @@ class StepRow:
     tokens: int
     checkpointing: bool
     states: int
+    states_experts_on_dim1: int
     attention_saved: int
     rest_saved: int
     checkpoints: int
@@ -266,14 +271,88 @@ class StepRow:
         return self.states + self.activations + max(self.transient, self.loss)
 
 
-def _parameters(config: Any) -> tuple[int, int]:
-    """``(all parameters, the largest decoder layer's)`` of the model, built on meta."""
+@dataclass(frozen=True)
+class StatesCount:
+    """One rank's training state under FSDP2 (rank 0: with uneven shards the largest), in bytes."""
+
+    parameters: int
+    """float32 parameter shards (FSDP2's sharded parameters on the rank)."""
+    gradients: int
+    """float32 gradient shards (reduce-scattered in float32, kept like the parameters)."""
+    optimizer: int
+    """AdamW's state on the rank's shards (two float32 moments; the step counters)."""
+    gathered: int
+    """Two decoder layers' parameters all-gathered in bf16 at once (the running and the prefetched one)."""
+    reduce_scatter: int
+    """A transient, not in :attr:`total`: the largest layer's gradient reduce-scatter (see :func:`fsdp2_states`)."""
+    reduce_scatter_input: int
+    """Its largest tensor: the flat float32 reduce-scatter input of the layer (``world`` padded shards)."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.gathered
+
+
+def fsdp2_states(config: Any, world: int, *, experts_dim: int = 0) -> StatesCount:
+    """FSDP2 over a fake group of ``world`` ranks on the meta model: what rank 0 holds between steps.
+
+    ``DeepseekV4ForCausalLM(config)`` is built on meta in float32, each decoder layer and then
+    the root are ``fully_shard``-ed with bf16 parameters and float32 reduction
+    (``MixedPrecisionPolicy``), and an ``AdamW`` step runs on the meta shards. Counted: the
+    rank's parameter shards (dim 0 split as FSDP2 splits it), the optimizer's state tensors
+    after the step, and each layer's all-gather output (``world`` padded shards in bf16) for
+    the two largest layers. The gradient shards have the parameters' shapes and dtype (FSDP2
+    reduce-scatters into them); they are not materialised here.
+
+    ``reduce_scatter`` is what FSDP2's ``foreach_reduce`` holds after a layer's backward, from
+    the same shard sizes: the layer's unsharded bf16 gradients, the float32 reduce-scatter
+    input it copies them into (``world`` padded shards; a dim-1 sharded weight's gradient is
+    first regrouped by ``torch.cat``, one more bf16 copy) and the float32 output shard.
+
+    FSDP2 splits dim 0 in ``world`` chunks and pads every rank's shard to the first chunk's
+    size: V4-Pro's ``[384, ...]`` experts over 256 ranks hold and gather 512 experts' worth.
+    ``experts_dim=1`` shards the 3-d expert weights along dim 1 instead (``fully_shard``'s
+    ``shard_placement_fn``; FSDP2 shards other dims only evenly, so where ``world`` does not
+    divide dim 1 the weight stays on dim 0).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard
     from transformers import DeepseekV4ForCausalLM
 
+    def local(t: Tensor) -> Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def nbytes(t: Tensor) -> int:
+        return local(t).numel() * local(t).element_size()
+
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
-    layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
-    return sum(p.numel() for p in model.parameters()), layer
+        model = torch.nn.Module.to(DeepseekV4ForCausalLM(config), torch.float32)  # the fp32 master weights FSDP2 shards
+    with fake_group(0, world):
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        def placement(p: torch.nn.Parameter) -> Shard | None:
+            return Shard(experts_dim) if p.ndim == 3 and p.shape[experts_dim] % world == 0 else None  # FSDP2: even only
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        for p in parameters:
+            p.grad = torch.empty_like(p)
+        optimizer = torch.optim.AdamW(parameters, foreach=False)
+        optimizer.step()
+        state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
+        # FSDP2 all-gathers world padded shards; rank 0's shard is the padded one (torch.chunk's first)
+        layers = sorted(sum(world * local(p).numel() * 2 for p in layer.parameters()) for layer in model.model.layers)
+        shards = sum(nbytes(p) for p in model.parameters())
+        largest = max(model.model.layers, key=lambda layer: sum(p.numel() for p in layer.parameters()))
+        padded = sum(world * local(p).numel() for p in largest.parameters())
+        regrouped = sum(p.numel() for p in largest.parameters() if experts_dim != 0 and placement(p) is not None)
+        grads = sum(p.numel() for p in largest.parameters())
+    return StatesCount(parameters=shards, gradients=sum(nbytes(p) for p in parameters), optimizer=state,
+                       gathered=sum(layers[-2:]), reduce_scatter=2 * (grads + regrouped) + 4 * padded + 4 * padded // world,
+                       reduce_scatter_input=4 * padded)
 
 
 def _loss_peak(tokens: int, hidden: int, vocab: int) -> int:
@@ -310,8 +389,8 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
     rows: list[StepRow] = []
     backend = cuda_path_backend()
     for name, config in models.items():
-        total_params, layer_params = _parameters(config)
-        states = total_params * 16 // world + 2 * 2 * layer_params
+        fsdp2 = fsdp2_states(config, world)
+        states, experts_on_dim1 = fsdp2.total, fsdp2_states(config, world, experts_dim=1).total
         options = deepseek_v4_plan_options(config)
         types = list(config.layer_types)
         kinds = {int(r): types.count(t) for t, r in dict(config.compress_rates).items()}  # ratio -> layers of it
@@ -327,11 +406,12 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
             rest = count_decoder_rest(config, local)
             loss = _loss_peak(local, int(config.hidden_size), int(config.vocab_size))
             parts = {f"ratio-{r} attention": c for r, c in counts.items()} | {"decoder rest": rest}
-            where = max(parts, key=lambda k: parts[k].peak - parts[k].saved)
-            biggest = max(parts, key=lambda k: parts[k].largest)
-            common = {"model": name, "cp": cp, "tokens": local, "states": states,
-                      "largest": f"{biggest}: {parts[biggest].largest_op}", "transient_in": where,
-                      "transient": parts[where].peak - parts[where].saved, "loss": loss,
+            transients = {k: c.peak - c.saved for k, c in parts.items()} | {"FSDP2 reduce-scatter": fsdp2.reduce_scatter}
+            where = max(transients, key=lambda k: transients[k])
+            tensors = {k: (c.largest, f"{k}: {c.largest_op}") for k, c in parts.items()}
+            tensors["FSDP2"] = (fsdp2.reduce_scatter_input, f"FSDP2 reduce-scatter input -> [{fsdp2.reduce_scatter_input // 4}] float32")
+            common = {"model": name, "cp": cp, "tokens": local, "states": states, "states_experts_on_dim1": experts_on_dim1,
+                      "largest": max(tensors.values())[1], "transient_in": where, "transient": transients[where], "loss": loss,
                       "exchange": max(c.exchange for c in counts.values()), "indexer": max(c.indexer for c in counts.values())}
             layers = sum(kinds.values())
             rows.append(StepRow(checkpointing=False, attention_saved=sum(n * counts[r].saved for r, n in kinds.items()),
@@ -353,8 +433,10 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         "", f"## Memory of a whole training step per rank at {tokens:,} tokens (counted on meta tensors)", "",
         f"`python -m cpkv.bench memory` (`cpkv/bench/step_memory.py`): one document of {tokens:,} tokens, balanced layout,"
         " need exchange, bf16, the last rank. GB = 1e9 bytes. Columns and what each counts:", "",
-        f"* `states`: arithmetic: parameters (counted: the HF model built on meta) x 16 bytes (fp32 master, fp32 gradient,"
-        f" Adam's two moments) / {world} ranks of FSDP2, plus two decoder layers' bf16 parameters gathered at once.",
+        f"* `states`: counted: FSDP2 over a fake group of {world} ranks on the HF model built on meta (`fully_shard` of each"
+        " decoder layer and the root, bf16 parameters, fp32 reduction): the rank's fp32 parameter shards as FSDP2 pads"
+        " them, as many fp32 gradient bytes, AdamW's state after a step on the shards, and two decoder layers' bf16"
+        " all-gather outputs (the running and the prefetched layer).",
         "* `attention saved`: counted: what the CSA and HCA layers save for backward (Hugging Face's `DeepseekV4Attention`"
         " through cpkv's `deepseek_v4_attention`, the indexer's KL loss on, with the CUDA path's custom-op fakes:"
         " `varlen_attn`, the Triton sparse and indexer ops), summed over the model's layers"
@@ -364,10 +446,11 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         " router, the shared expert and the routed experts through Hugging Face's `grouped_mm` path; its input"
         " included), all layers (with checkpointing: one layer, its input left to `ckpt inputs`). `ckpt inputs`: with"
         " checkpointing, every layer's `[T/cp, hc_mult, hidden]` bf16 input.",
-        "* `transient`: counted: the largest forward+backward peak above what a layer saves, of the CSA and HCA"
-        " attention layers and the decoder rest (which one in brackets; the decoder rest's includes its parameter"
-        " gradients, every expert's, unsharded until FSDP2 reduce-scatters them); `largest`: the largest single tensor"
-        " of the three. `exchange`: counted: the forward receive buffers of one layer (cpkv's collective ops);"
+        "* `transient`: the largest of: the forward+backward peak above what a layer saves (counted) of the CSA and HCA"
+        " attention layers and of the decoder rest (whose includes its parameter gradients, every expert's, unsharded"
+        " until FSDP2 reduce-scatters them), and FSDP2's reduce-scatter of the largest layer (from the counted shard"
+        " sizes: the layer's unsharded bf16 gradients, the fp32 reduce-scatter input they are copied into and its output"
+        " shard); which one in brackets. `largest`: the largest single tensor of these. `exchange`: counted: the forward receive buffers of one layer (cpkv's collective ops);"
         " `indexer`: counted: the indexer's scores and selections of a CSA layer (forward outputs of its ops).",
         "* `loss`: counted: the chunked loss's peak (`causal_lm_loss_from_hidden`, 1,024-token chunks, forward + backward).",
         "* `total` = states + activations + max(transient, loss); fits: an H200 (141 GB) / a 64 GB device.", "",
@@ -419,11 +502,20 @@ def reading_lines(rows: list[StepRow]) -> list[str]:
                 f"{model} {'with' if ckpt else 'without'} activation checkpointing: {top} dominate"
                 f" ({_gb(terms[top])} of {_gb(worst.total)} GB at cp {worst.cp}); {_fits_clause(parts)}."
             )
+    for model in dict.fromkeys(r.model for r in rows):
+        first = next(r for r in rows if r.model == model)
+        if first.states > 1.01 * first.states_experts_on_dim1:
+            sentences.append(
+                f"FSDP2 pads each rank's shard of dim 0 to the first one's size: {model}'s states are {_gb(first.states)} GB"
+                f" a rank, {_gb(first.states_experts_on_dim1)} GB with its 3-d expert weights sharded on dim 1 instead"
+                " (`fully_shard(..., shard_placement_fn=lambda p: Shard(1) if p.ndim == 3 else None)`): when the world"
+                " does not divide the expert count, the padding is whole experts.")
     largest = max(rows, key=lambda r: r.transient)
     return ["", "Reading: " + " ".join(sentences) + " The loss (chunked) and the exchange's receive buffers stay a few GB"
             f" at every cp. The largest transient is {_gb(largest.transient)} GB ({largest.model}, cp {largest.cp}, in the"
-            f" {largest.transient_in}; its largest tensor `{largest.largest}`): without expert parallelism a layer's"
-            " backward holds every expert's unsharded gradient until FSDP2 reduce-scatters it. Of the decoder rest's"
+            f" {largest.transient_in}; the largest tensor `{largest.largest}`): without expert parallelism a layer's"
+            " backward makes every expert's unsharded gradient, and FSDP2 copies the layer's gradients into one fp32"
+            " reduce-scatter input (a bf16 `reduce_dtype` would halve it). Of the decoder rest's"
             " activations, Hugging Face's mHC blocks, computed in fp32 on the flattened `[T/cp, hc_mult * hidden]` streams,"
             " save about as much as the MoE; a fused mHC kernel saving its bf16 input would remove most of it."
             " What the table does not show: expert parallelism (the states and the expert gradients shrink with the"
