@@ -17,7 +17,8 @@ from pathlib import Path
 
 from cpkv.bench.layouts import existing_section, replace_section
 from cpkv.bench.loss_memory import loss_memory_lines, loss_memory_table
-from cpkv.bench.step_memory import counter_check_lines, counter_checks, reading_lines, step_memory_lines, step_memory_table
+from cpkv.bench.memory_check import counter_check_lines, counter_checks
+from cpkv.bench.step_memory import reading_lines, step_memory_lines, step_memory_table
 
 __all__ = ["BEGIN", "END", "kept_section", "main", "parse_args"]
 

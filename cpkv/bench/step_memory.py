@@ -23,17 +23,18 @@ group, this module's :class:`MemoryCounter`):
   ``DeepseekV4DecoderLayer`` at the model's dims with its attention replaced by a copy: the mHC
   blocks, norms, router, shared and routed experts (through Hugging Face's ``grouped_mm``
   experts path, whose shapes are static; the eager per-expert loop's are data-dependent).
-* **training state** (:func:`fsdp2_states`): ``DeepseekV4ForCausalLM(config)`` built on meta,
+* **training state** (:func:`cpkv.bench.fsdp2_states.fsdp2_states`): ``DeepseekV4ForCausalLM(config)`` built on meta,
   ``fully_shard`` (bf16 parameters, float32 reduction) of each decoder layer and the root over a
   fake group of ``world`` ranks, and an ``AdamW`` step on the shards: the rank's float32
   parameter shards as FSDP2 pads them, as many float32 gradient bytes, AdamW's state, and two
-  decoder layers' bf16 all-gather outputs (the running layer and the prefetched one).
+  decoder layers' bf16 all-gather outputs (the running layer and the prefetched one); and, as a
+  transient, FSDP2's reduce-scatter of the largest layer's gradients.
 
 **What is arithmetic, not counted** (labelled in the table): with activation checkpointing, the
 layer inputs kept (``[T/cp, hc_mult, hidden]`` bf16 per layer) and one layer's activations
 recomputed at a time; the gradient shards (the parameter shards' sizes).
 
-The counter is checked on CPU at small sizes (:func:`counter_checks`): the same counter on
+The counter is checked on CPU at small sizes (:func:`cpkv.bench.memory_check.counter_checks`): the same counter on
 meta tensors against the allocator's peak of a real run (``torch.profiler`` memory events:
 every CPU allocation and free, kernel temporaries included) with the reference backend.
 """
@@ -52,22 +53,21 @@ from torch import Tensor
 
 from cpkv.backends.base import AttentionBackend
 from cpkv.bench.memory import LiveBytes, no_all_to_all, storage_key
+from cpkv.bench.fsdp2_states import fsdp2_states
 from cpkv.bench.traffic import fake_group
-from cpkv.integrations.causal_lm import causal_lm_loss, causal_lm_loss_from_hidden
+from cpkv.integrations.causal_lm import causal_lm_loss_from_hidden
 from cpkv.plan.attention import AttentionPlan, plan_attention
 from cpkv.v4 import V4Attention, V4Config
 
 __all__ = [
-    "CounterCheck",
     "LayerCount",
     "MemoryCounter",
-    "StatesCount",
     "StepRow",
-    "counter_check_lines",
-    "counter_checks",
     "count_decoder_rest",
     "count_layer",
-    "fsdp2_states",
+    "cuda_path_backend",
+    "decoder_rest",
+    "hf_attention_module",
     "reading_lines",
     "step_memory_lines",
     "step_memory_table",
@@ -159,7 +159,7 @@ def count_layer(config: V4Config, plan: AttentionPlan, cp: int, rank: int, backe
     return _count_call(layer, x, lambda t: layer(t, plan, None, backend=backend).out, cp, rank)
 
 
-def _hf_attention(config: Any, layer_index: int, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+def hf_attention_module(config: Any, layer_index: int, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
     with torch.device(device):
@@ -177,7 +177,7 @@ def count_hf_attention(config: Any, layer_index: int, plan: AttentionPlan, cp: i
     """
     from cpkv.integrations.transformers import deepseek_v4_attention
 
-    attn, rotary = _hf_attention(config, layer_index, device, dtype)
+    attn, rotary = hf_attention_module(config, layer_index, device, dtype)
     x = torch.empty(plan.local_len, int(config.hidden_size), device=device, dtype=dtype).normal_().requires_grad_()
 
     def call(t: Tensor) -> Tensor:
@@ -203,7 +203,7 @@ class _NoAttention(torch.nn.Module):
         return x.clone(), None
 
 
-def _decoder_rest(config: Any, tokens: int, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Tensor]:
+def decoder_rest(config: Any, tokens: int, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Tensor]:
     """A learned-router decoder layer of ``config`` with :class:`_NoAttention`, and a ``[1, tokens, hc_mult, hidden]`` input."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
 
@@ -228,7 +228,7 @@ def count_decoder_rest(config: Any, tokens: int, *, device: str = "meta", dtype:
     the router. ``peak`` includes the layer's parameter gradients (all its experts: FSDP2
     reduce-scatters them after the layer's backward; expert parallelism would shard them).
     """
-    layer, x = _decoder_rest(config, tokens, device, dtype)
+    layer, x = decoder_rest(config, tokens, device, dtype)
     params = {_key(t)[0] for t in [*layer.parameters(), *layer.buffers()]}
     counter = MemoryCounter()
     with counter, saved_bytes(params) as saved:  # the layer input counts: its mHC blocks save it
@@ -269,90 +269,6 @@ class StepRow:
     def total(self) -> int:
         """States, activations and the larger of the attention's backward transient and the loss."""
         return self.states + self.activations + max(self.transient, self.loss)
-
-
-@dataclass(frozen=True)
-class StatesCount:
-    """One rank's training state under FSDP2 (rank 0: with uneven shards the largest), in bytes."""
-
-    parameters: int
-    """float32 parameter shards (FSDP2's sharded parameters on the rank)."""
-    gradients: int
-    """float32 gradient shards (reduce-scattered in float32, kept like the parameters)."""
-    optimizer: int
-    """AdamW's state on the rank's shards (two float32 moments; the step counters)."""
-    gathered: int
-    """Two decoder layers' parameters all-gathered in bf16 at once (the running and the prefetched one)."""
-    reduce_scatter: int
-    """A transient, not in :attr:`total`: the largest layer's gradient reduce-scatter (see :func:`fsdp2_states`)."""
-    reduce_scatter_input: int
-    """Its largest tensor: the flat float32 reduce-scatter input of the layer (``world`` padded shards)."""
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.gathered
-
-
-def fsdp2_states(config: Any, world: int, *, experts_dim: int = 0) -> StatesCount:
-    """FSDP2 over a fake group of ``world`` ranks on the meta model: what rank 0 holds between steps.
-
-    ``DeepseekV4ForCausalLM(config)`` is built on meta in float32, each decoder layer and then
-    the root are ``fully_shard``-ed with bf16 parameters and float32 reduction
-    (``MixedPrecisionPolicy``), and an ``AdamW`` step runs on the meta shards. Counted: the
-    rank's parameter shards (dim 0 split as FSDP2 splits it), the optimizer's state tensors
-    after the step, and each layer's all-gather output (``world`` padded shards in bf16) for
-    the two largest layers. The gradient shards have the parameters' shapes and dtype (FSDP2
-    reduce-scatters into them); they are not materialised here.
-
-    ``reduce_scatter`` is what FSDP2's ``foreach_reduce`` holds after a layer's backward, from
-    the same shard sizes: the layer's unsharded bf16 gradients, the float32 reduce-scatter
-    input it copies them into (``world`` padded shards; a dim-1 sharded weight's gradient is
-    first regrouped by ``torch.cat``, one more bf16 copy) and the float32 output shard.
-
-    FSDP2 splits dim 0 in ``world`` chunks and pads every rank's shard to the first chunk's
-    size: V4-Pro's ``[384, ...]`` experts over 256 ranks hold and gather 512 experts' worth.
-    ``experts_dim=1`` shards the 3-d expert weights along dim 1 instead (``fully_shard``'s
-    ``shard_placement_fn``; FSDP2 shards other dims only evenly, so where ``world`` does not
-    divide dim 1 the weight stays on dim 0).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, Shard
-    from transformers import DeepseekV4ForCausalLM
-
-    def local(t: Tensor) -> Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    def nbytes(t: Tensor) -> int:
-        return local(t).numel() * local(t).element_size()
-
-    with torch.device("meta"):
-        model = torch.nn.Module.to(DeepseekV4ForCausalLM(config), torch.float32)  # the fp32 master weights FSDP2 shards
-    with fake_group(0, world):
-        mesh = init_device_mesh("cpu", (world,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        def placement(p: torch.nn.Parameter) -> Shard | None:
-            return Shard(experts_dim) if p.ndim == 3 and p.shape[experts_dim] % world == 0 else None  # FSDP2: even only
-
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        parameters = [p for p in model.parameters() if p.requires_grad]
-        for p in parameters:
-            p.grad = torch.empty_like(p)
-        optimizer = torch.optim.AdamW(parameters, foreach=False)
-        optimizer.step()
-        state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
-        # FSDP2 all-gathers world padded shards; rank 0's shard is the padded one (torch.chunk's first)
-        layers = sorted(sum(world * local(p).numel() * 2 for p in layer.parameters()) for layer in model.model.layers)
-        shards = sum(nbytes(p) for p in model.parameters())
-        largest = max(model.model.layers, key=lambda layer: sum(p.numel() for p in layer.parameters()))
-        padded = sum(world * local(p).numel() for p in largest.parameters())
-        regrouped = sum(p.numel() for p in largest.parameters() if experts_dim != 0 and placement(p) is not None)
-        grads = sum(p.numel() for p in largest.parameters())
-    return StatesCount(parameters=shards, gradients=sum(nbytes(p) for p in parameters), optimizer=state,
-                       gathered=sum(layers[-2:]), reduce_scatter=2 * (grads + regrouped) + 4 * padded + 4 * padded // world,
-                       reduce_scatter_input=4 * padded)
 
 
 def _loss_peak(tokens: int, hidden: int, vocab: int) -> int:
@@ -433,7 +349,7 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         "", f"## Memory of a whole training step per rank at {tokens:,} tokens (counted on meta tensors)", "",
         f"`python -m cpkv.bench memory` (`cpkv/bench/step_memory.py`): one document of {tokens:,} tokens, balanced layout,"
         " need exchange, bf16, the last rank. GB = 1e9 bytes. Columns and what each counts:", "",
-        f"* `states`: counted: FSDP2 over a fake group of {world} ranks on the HF model built on meta (`fully_shard` of each"
+        f"* `states`: counted (`cpkv/bench/fsdp2_states.py`): FSDP2 over a fake group of {world} ranks on the HF model built on meta (`fully_shard` of each"
         " decoder layer and the root, bf16 parameters, fp32 reduction): the rank's fp32 parameter shards as FSDP2 pads"
         " them, as many fp32 gradient bytes, AdamW's state after a step on the shards, and two decoder layers' bf16"
         " all-gather outputs (the running and the prefetched layer).",
@@ -520,179 +436,3 @@ def reading_lines(rows: list[StepRow]) -> list[str]:
             " save about as much as the MoE; a fused mHC kernel saving its bf16 input would remove most of it."
             " What the table does not show: expert parallelism (the states and the expert gradients shrink with the"
             " expert-parallel size) and activation offloading."]
-
-
-@dataclass(frozen=True)
-class CounterCheck:
-    """The counter on meta tensors and on real CPU tensors, and the CPU allocator's measured peak, bytes."""
-
-    case: str
-    counted: int
-    counted_cpu: int
-    measured: int
-    measured_outputs: int
-
-
-def _profiled_peaks(run: Callable[[], None]) -> tuple[int, int]:
-    """Peaks of the CPU allocator's live bytes during ``run()``: as measured, and with cpkv's custom ops as their outputs.
-
-    ``torch.profiler`` memory events (every allocation and free, in time order). The second
-    peak replaces the events inside each outermost ``cpkv::`` custom op by one event of their
-    net bytes at the op's end: what remains of the op (its outputs, less what it freed), its
-    internal temporaries (the reference implementation's) left out.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    results: Any = prof.profiler.kineto_results if prof.profiler is not None else None
-    events = sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
-    windows: list[tuple[int, int]] = []
-    for start, end in sorted((e.start_ns(), e.end_ns()) for e in results.events() if e.name().startswith("cpkv::")):
-        if windows and start <= windows[-1][1]:
-            windows[-1] = (windows[-1][0], max(windows[-1][1], end))
-        else:
-            windows.append((start, end))
-    merged: dict[int, int] = {}
-    for time_ns, nbytes in events:
-        inside = next((end for start, end in windows if start <= time_ns <= end), None)
-        key = time_ns if inside is None else inside
-        merged[key] = merged.get(key, 0) + nbytes
-    return _running_peak(events), _running_peak(sorted(merged.items()))
-
-
-def _running_peak(events: list[tuple[int, int]]) -> int:
-    now = peak = 0
-    for _, nbytes in events:
-        now += nbytes
-        peak = max(peak, now)
-    return peak
-
-
-def _counted_peak(run: Callable[[], None]) -> int:
-    counter = MemoryCounter()
-    with counter:
-        run()
-    return counter.peak
-
-
-def _check(case: str, make: Callable[[str], Callable[[], None]]) -> CounterCheck:
-    """``make(device)`` builds the inputs on ``device`` and returns the run (forward + backward) to measure."""
-    measured, outputs_only = _profiled_peaks(make("cpu"))
-    return CounterCheck(case, _counted_peak(make("meta")), _counted_peak(make("cpu")), measured, outputs_only)
-
-
-def _loss_run(tokens: int, hidden: int, vocab: int, chunked: bool) -> Callable[[str], Callable[[], None]]:
-    def make(device: str) -> Callable[[], None]:
-        h = torch.empty(tokens, hidden, device=device).normal_().requires_grad_()
-        w = torch.empty(vocab, hidden, device=device).normal_().requires_grad_()
-        labels = torch.zeros(tokens, device=device, dtype=torch.int64)
-
-        def run() -> None:
-            with fake_group(0, 1):
-                if chunked:
-                    loss = causal_lm_loss_from_hidden(h, w, labels, None, num_items_in_batch=tokens, chunk_size=256)
-                else:
-                    loss = causal_lm_loss(torch.nn.functional.linear(h, w), labels, None, num_items_in_batch=tokens)
-                loss.backward()  # type: ignore[no-untyped-call]
-
-        return run
-
-    return make
-
-
-def _planned_run(plan: AttentionPlan, cp: int, rank: int,
-                 build: Callable[[str, AttentionPlan], Callable[[Tensor], Tensor]], hidden: int) -> Callable[[str], Callable[[], None]]:
-    """``make(device)`` for :func:`_check`: ``build(device, plan)`` gives the layer call, run forward + backward on the last rank."""
-
-    def make(device: str) -> Callable[[], None]:
-        on_device = plan.to(torch.device(device))
-        call = build(device, on_device)
-        x = torch.empty(on_device.local_len, hidden, device=device).normal_().requires_grad_()
-
-        def run() -> None:
-            with fake_group(rank, cp), no_all_to_all():
-                out = call(x)
-                out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
-
-        return run
-
-    return make
-
-
-def _layer_run(ratio: int, tokens: int, cp: int) -> Callable[[str], Callable[[], None]]:
-    config = V4Config(hidden=256, heads=4, head_dim=64, rope_dim=16, window=16, compress_ratio=ratio, topk=16,
-                      index_heads=2, index_head_dim=32)
-    rank = cp - 1
-    with fake_group(rank, cp):
-        plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", compress_ratios=[ratio],
-                              windows=[16], check_ranks=False)
-
-    def build(device: str, on_device: AttentionPlan) -> Callable[[Tensor], Tensor]:
-        with torch.device(device):
-            layer = V4Attention(config)
-        return lambda x: layer(x, on_device, None, backend="reference").out
-
-    return _planned_run(plan, cp, rank, build, config.hidden)
-
-
-def _hf_attention_run(layer_index: int, tokens: int, cp: int) -> Callable[[str], Callable[[], None]]:
-    from cpkv.integrations.transformers import deepseek_v4_attention, deepseek_v4_plan_options
-
-    config, rank = tiny_v4_config(), cp - 1
-    with fake_group(rank, cp):
-        plan = plan_attention(torch.tensor([0, tokens]), cp, rank, exchange="need", check_ranks=False,
-                              **deepseek_v4_plan_options(config))
-
-    def build(device: str, on_device: AttentionPlan) -> Callable[[Tensor], Tensor]:
-        attn, rotary = _hf_attention(config, layer_index, device, torch.float32)
-        return lambda x: deepseek_v4_attention(attn, x, on_device, None, backend="reference", indexer_loss=True,
-                                               rotary_emb=rotary).out
-
-    return _planned_run(plan, cp, rank, build, int(config.hidden_size))
-
-
-def _rest_run(tokens: int) -> Callable[[str], Callable[[], None]]:
-    def make(device: str) -> Callable[[], None]:
-        layer, x = _decoder_rest(tiny_v4_config(), tokens, device, torch.bfloat16)  # grouped_mm takes bf16 only
-
-        def run() -> None:
-            out = layer(x)
-            out.backward(torch.ones_like(out))
-
-        return run
-
-    return make
-
-
-def counter_checks(*, smoke: bool = False) -> list[CounterCheck]:
-    """The counter (meta and CPU tensors) vs the CPU allocator, float32, at small sizes."""
-    tokens, vocab = (256, 1024) if smoke else (2048, 8192)
-    checks = [_check(f"chunked loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, True)),
-              _check(f"whole-logits loss, T {tokens}, V {vocab}, H 64", _loss_run(tokens, 64, vocab, False))]
-    for ratio in (4, 128):
-        checks.append(_check(f"cpkv.v4 attention layer, ratio {ratio}, T/cp {tokens // 4} (cp 4)", _layer_run(ratio, tokens, 4)))
-    for index, kind in enumerate(tiny_v4_config().layer_types):
-        checks.append(_check(f"Hugging Face attention ({kind}), T/cp {tokens // 4} (cp 4)", _hf_attention_run(index, tokens, 4)))
-    checks.append(_check(f"decoder rest, bf16 (hidden 256, 4 experts of 64, 2 per token), T {tokens}", _rest_run(tokens)))
-    return checks
-
-
-def counter_check_lines(checks: list[CounterCheck]) -> list[str]:
-    """The check table."""
-    lines = [
-        "", "Counter check, CPU, float32 (the decoder rest bf16): the counter's peak of a forward + backward on meta tensors and on real CPU"
-        " tensors, against the CPU allocator's measured peak of the real run (`torch.profiler` memory events: every"
-        " allocation and free, temporaries inside kernels and inside the reference backend's custom ops included), and"
-        " the same events with each `cpkv::` custom op's events replaced by their net at the op's end (the op as its"
-        " outputs: what its fake, and a kernel keeping its tiles on chip, allocates). cpkv.v4 attention layers: hidden 256,"
-        " 4 heads of 64, window 16, top-k 16; Hugging Face attention and decoder rest: `tiny_v4_config()` (hidden 256,"
-        " 4 heads of 64, its CSA and HCA layer); last rank of cp 4, need exchange, reference backend.", "",
-        "| case | counted on meta MiB | counted on CPU MiB | measured MiB | measured, custom ops as outputs MiB |"
-        " meta / measured | meta / measured (outputs) |", "|---|---|---|---|---|---|---|",
-    ]
-    for c in checks:
-        lines.append(f"| {c.case} | {c.counted / 2**20:.2f} | {c.counted_cpu / 2**20:.2f} | {c.measured / 2**20:.2f} |"
-                     f" {c.measured_outputs / 2**20:.2f} | {c.counted / max(c.measured, 1):.3f} |"
-                     f" {c.counted / max(c.measured_outputs, 1):.3f} |")
-    return lines

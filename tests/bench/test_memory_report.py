@@ -15,7 +15,8 @@ import torch
 
 from cpkv.bench.__main__ import main
 from cpkv.bench.memory_report import BEGIN, END, kept_section
-from cpkv.bench.step_memory import MemoryCounter, StepRow, fsdp2_states, reading_lines, saved_bytes, tiny_v4_config
+from cpkv.bench.fsdp2_states import fsdp2_states
+from cpkv.bench.step_memory import MemoryCounter, StepRow, reading_lines, saved_bytes, tiny_v4_config
 
 
 def test_counter_counts_new_storages_not_views_and_drops_freed_ones() -> None:
