@@ -76,14 +76,14 @@ def fsdp2_states(config: Any, world: int, *, experts_dim: int = 0) -> StatesCoun
     def nbytes(t: Tensor) -> int:
         return local(t).numel() * local(t).element_size()
 
+    def placement(p: torch.nn.Parameter) -> Shard | None:  # FSDP2 shards dims other than 0 only evenly
+        return Shard(experts_dim) if p.ndim == 3 and p.shape[experts_dim] % world == 0 else None
+
     with torch.device("meta"):
         model = torch.nn.Module.to(DeepseekV4ForCausalLM(config), torch.float32)  # the fp32 master weights FSDP2 shards
     with fake_group(0, world):
         mesh = init_device_mesh("cpu", (world,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        def placement(p: torch.nn.Parameter) -> Shard | None:
-            return Shard(experts_dim) if p.ndim == 3 and p.shape[experts_dim] % world == 0 else None  # FSDP2: even only
-
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
         fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -93,15 +93,15 @@ def fsdp2_states(config: Any, world: int, *, experts_dim: int = 0) -> StatesCoun
         optimizer = torch.optim.AdamW(parameters, foreach=False)
         optimizer.step()
         state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor))
-        # FSDP2 all-gathers world padded shards; rank 0's shard is the padded one (torch.chunk's first)
-        layers = sorted(sum(world * local(p).numel() * 2 for p in layer.parameters()) for layer in model.model.layers)
-        shards = sum(nbytes(p) for p in model.parameters())
-        largest = max(model.model.layers, key=lambda layer: sum(p.numel() for p in layer.parameters()))
-        padded = sum(world * local(p).numel() for p in largest.parameters())
-        regrouped = sum(p.numel() for p in largest.parameters() if experts_dim != 0 and placement(p) is not None)
+        # FSDP2 gathers and reduce-scatters world padded shards; rank 0's shard is the padded one (torch.chunk's first)
+        padded = [sum(world * local(p).numel() for p in layer.parameters()) for layer in model.model.layers]
+        largest = list(model.model.layers)[padded.index(max(padded))]
         grads = sum(p.numel() for p in largest.parameters())
-    return StatesCount(parameters=shards, gradients=sum(nbytes(p) for p in parameters), optimizer=state,
-                       gathered=sum(layers[-2:]), reduce_scatter=2 * (grads + regrouped) + 4 * padded + 4 * padded // world,
-                       reduce_scatter_input=4 * padded)
+        regrouped = sum(p.numel() for p in largest.parameters() if experts_dim != 0 and placement(p) is not None)
+        shards = sum(nbytes(p) for p in model.parameters())
+        gradients = sum(nbytes(p.grad) for p in parameters if p.grad is not None)
+    top = max(padded)
+    return StatesCount(parameters=shards, gradients=gradients, optimizer=state, gathered=2 * sum(sorted(padded)[-2:]),
+                       reduce_scatter=2 * (grads + regrouped) + 4 * top + 4 * top // world, reduce_scatter_input=4 * top)
 
 

@@ -267,7 +267,7 @@ class StepRow:
 
     @property
     def total(self) -> int:
-        """States, activations and the larger of the attention's backward transient and the loss."""
+        """States, activations and the larger of the transient (a layer's backward or FSDP2's reduce-scatter) and the loss."""
         return self.states + self.activations + max(self.transient, self.loss)
 
 
@@ -325,7 +325,8 @@ def step_memory_table(tokens: int, cps: list[int], world: int, *, smoke: bool = 
             transients = {k: c.peak - c.saved for k, c in parts.items()} | {"FSDP2 reduce-scatter": fsdp2.reduce_scatter}
             where = max(transients, key=lambda k: transients[k])
             tensors = {k: (c.largest, f"{k}: {c.largest_op}") for k, c in parts.items()}
-            tensors["FSDP2"] = (fsdp2.reduce_scatter_input, f"FSDP2 reduce-scatter input -> [{fsdp2.reduce_scatter_input // 4}] float32")
+            tensors["FSDP2"] = (fsdp2.reduce_scatter_input,
+                                f"FSDP2 reduce-scatter input -> [{fsdp2.reduce_scatter_input // 4}] float32")
             common = {"model": name, "cp": cp, "tokens": local, "states": states, "states_experts_on_dim1": experts_on_dim1,
                       "largest": max(tensors.values())[1], "transient_in": where, "transient": transients[where], "loss": loss,
                       "exchange": max(c.exchange for c in counts.values()), "indexer": max(c.indexer for c in counts.values())}
@@ -349,8 +350,8 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         "", f"## Memory of a whole training step per rank at {tokens:,} tokens (counted on meta tensors)", "",
         f"`python -m cpkv.bench memory` (`cpkv/bench/step_memory.py`): one document of {tokens:,} tokens, balanced layout,"
         " need exchange, bf16, the last rank. GB = 1e9 bytes. Columns and what each counts:", "",
-        f"* `states`: counted (`cpkv/bench/fsdp2_states.py`): FSDP2 over a fake group of {world} ranks on the HF model built on meta (`fully_shard` of each"
-        " decoder layer and the root, bf16 parameters, fp32 reduction): the rank's fp32 parameter shards as FSDP2 pads"
+        f"* `states`: counted (`cpkv/bench/fsdp2_states.py`): FSDP2 over a fake group of {world} ranks on the HF model"
+        " built on meta (`fully_shard` of each decoder layer and the root, bf16 parameters, fp32 reduction): the rank's fp32 parameter shards as FSDP2 pads"
         " them, as many fp32 gradient bytes, AdamW's state after a step on the shards, and two decoder layers' bf16"
         " all-gather outputs (the running and the prefetched layer).",
         "* `attention saved`: counted: what the CSA and HCA layers save for backward (Hugging Face's `DeepseekV4Attention`"
@@ -366,7 +367,8 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
         " attention layers and of the decoder rest (whose includes its parameter gradients, every expert's, unsharded"
         " until FSDP2 reduce-scatters them), and FSDP2's reduce-scatter of the largest layer (from the counted shard"
         " sizes: the layer's unsharded bf16 gradients, the fp32 reduce-scatter input they are copied into and its output"
-        " shard); which one in brackets. `largest`: the largest single tensor of these. `exchange`: counted: the forward receive buffers of one layer (cpkv's collective ops);"
+        " shard); which one in brackets. `largest`: the largest single tensor of these. `exchange`: counted: the forward"
+        " receive buffers of one layer (cpkv's collective ops);"
         " `indexer`: counted: the indexer's scores and selections of a CSA layer (forward outputs of its ops).",
         "* `loss`: counted: the chunked loss's peak (`causal_lm_loss_from_hidden`, 1,024-token chunks, forward + backward).",
         "* `total` = states + activations + max(transient, loss); fits: an H200 (141 GB) / a 64 GB device.", "",
@@ -387,13 +389,11 @@ def step_memory_lines(rows: list[StepRow], tokens: int, world: int) -> list[str]
 def _fits_clause(parts: list[StepRow]) -> str:
     """Which devices the rows' totals fit and from which cp, e.g. "it fits an H200 from cp 32 but no 64 GB device at any of cp 8-64"."""
     span = f"cp {min(r.cp for r in parts)}-{max(r.cp for r in parts)}"
-    fit, miss = [], []
-    for device, cap in (("H200", H200), ("64 GB device", ASCEND)):
+    fit: list[str] = []
+    miss: list[str] = []
+    for article, device, cap in (("an", "H200", H200), ("a", "64 GB device", ASCEND)):
         ok = [r.cp for r in parts if r.total <= cap]
-        if ok:
-            fit.append(f"{'an' if device[0] == 'H' else 'a'} {device} from cp {min(ok)}")
-        else:
-            miss.append(device)
+        (fit if ok else miss).append(f"{article} {device} from cp {min(ok)}" if ok else device)
     if not fit:
         return f"it fits neither an H200 nor a 64 GB device at any of {span}"
     if not miss:

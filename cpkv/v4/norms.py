@@ -43,7 +43,8 @@ class _UnweightedRMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, eps: float) -> Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)
         rows = x.reshape(-1, x.shape[-1])
-        rstd = torch.cat([torch.rsqrt(c.to(compute).square().mean(-1, keepdim=True) + eps) for (c,) in _row_chunks(rows)])
+        parts = [torch.rsqrt(c.to(compute).square().mean(-1, keepdim=True) + eps) for (c,) in _row_chunks(rows)]
+        rstd = parts[0] if len(parts) == 1 else torch.cat(parts)
         ctx.save_for_backward(x, rstd)
         return (rows * rstd.to(x.dtype)).view_as(x)
 
