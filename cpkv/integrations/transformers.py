@@ -312,7 +312,7 @@ def deepseek_v4_attention(
     positions = plan.q_positions.to(hidden_states.device)
     num, heads, head_dim = hidden_states.shape[0], int(module.num_heads), int(module.head_dim)
     q_residual = _rms_norm(module.q_a_proj(hidden_states), module.q_a_norm.weight, module.q_a_norm.variance_epsilon)
-    q = _rms_norm(module.q_b_proj(q_residual).view(num, heads, head_dim), None, module.q_b_norm.eps)
+    q = _rms_norm(module.q_b_proj(q_residual).view(num, heads, head_dim), None, getattr(module.q_b_norm, "variance_epsilon", getattr(module.q_b_norm, "eps", None)))
     q = rope(q, positions)
     kv = rope(_rms_norm(module.kv_proj(hidden_states), module.kv_norm.weight, module.kv_norm.variance_epsilon), positions)
     compressor = indexer = index_features = None
