@@ -159,9 +159,10 @@ def data_cp_mesh(cp: int | ProcessGroup | Any, *, device_type: str = "cpu") -> D
             raise ValueError(f"cp = {size} must divide the world size {world} (dp = world / cp CP groups)")
         groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]  # every rank makes every group
         return _mesh_of_cp_group(groups[dist.get_rank() // size])
-    if all(hasattr(cp, a) for a in ("cp_size", "tp_size", "sp_size", "get_device_mesh")):  # accelerate's ParallelismConfig
-        if cp.tp_size > 1 or cp.sp_size > 1:
-            raise ValueError(f"cp (a ParallelismConfig) must have tp_size = sp_size = 1 under cpkv's CP, got {cp.tp_size}, {cp.sp_size}")
+    if all(hasattr(cp, a) for a in ("cp_size", "tp_size", "get_device_mesh")):  # accelerate's ParallelismConfig
+        sp_size = getattr(cp, "sp_size", 1)  # accelerate >= 1.11; 1.10 has no sequence parallelism
+        if cp.tp_size > 1 or sp_size > 1:
+            raise ValueError(f"cp (a ParallelismConfig) must have tp_size = sp_size = 1 under cpkv's CP, got {cp.tp_size}, {sp_size}")
         if cp.cp_size == 1:
             return data_cp_mesh(1)
         return data_cp_mesh(cp.get_device_mesh(device_type))

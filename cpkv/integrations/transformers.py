@@ -32,6 +32,7 @@ from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_ndim, check_tensor
 from cpkv.collectives import Group
 from cpkv.compress_mode import LayerCompressMode
+from cpkv.integrations.hf_v4_forms import check_deepseek_v4_forms, rms_norm_eps
 from cpkv.plan.cost import CostModel
 from cpkv.plan.attention import AttentionPlan
 from cpkv.plan.segments import CompressedPlan
@@ -117,7 +118,7 @@ class _Pooler:
             slot_gate = torch.cat([prev_gate, slot_gate[..., hd:]], dim=1)
         weights = slot_gate.softmax(dim=1, dtype=_compute_dtype(slot_gate.dtype)).to(slot_kv.dtype)
         pooled = (slot_kv * weights).sum(dim=1)
-        normed = _rms_norm(pooled, self.module.kv_norm.weight, self.module.kv_norm.variance_epsilon)
+        normed = _rms_norm(pooled, self.module.kv_norm.weight, rms_norm_eps(self.module.kv_norm))
         return self.rope(normed, plan.entry_positions)
 
 
@@ -253,6 +254,7 @@ def deepseek_v4_spec(module: Any, *, indexer_loss: bool = False) -> AttentionSpe
 def _check(module: Any, hidden_states: Tensor, plan: AttentionPlan) -> None:
     if not all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor")):
         raise TypeError(f"module must be a transformers DeepseekV4Attention, got {type(module).__name__}")
+    check_deepseek_v4_forms([(type(module).__name__, module)], forward=False)
     check_ndim("hidden_states", check_tensor("hidden_states", hidden_states), 2, "[T/cp, hidden]")
     weight = module.q_a_proj.weight
     if hidden_states.shape[-1] != weight.shape[1]:
@@ -311,10 +313,10 @@ def deepseek_v4_attention(
     rope = _Rope.of(rotary, "main" if module.compressor is None else "compress")
     positions = plan.q_positions.to(hidden_states.device)
     num, heads, head_dim = hidden_states.shape[0], int(module.num_heads), int(module.head_dim)
-    q_residual = _rms_norm(module.q_a_proj(hidden_states), module.q_a_norm.weight, module.q_a_norm.variance_epsilon)
-    q = _rms_norm(module.q_b_proj(q_residual).view(num, heads, head_dim), None, getattr(module.q_b_norm, "variance_epsilon", getattr(module.q_b_norm, "eps", None)))
+    q_residual = _rms_norm(module.q_a_proj(hidden_states), module.q_a_norm.weight, rms_norm_eps(module.q_a_norm))
+    q = _rms_norm(module.q_b_proj(q_residual).view(num, heads, head_dim), None, rms_norm_eps(module.q_b_norm))
     q = rope(q, positions)
-    kv = rope(_rms_norm(module.kv_proj(hidden_states), module.kv_norm.weight, module.kv_norm.variance_epsilon), positions)
+    kv = rope(_rms_norm(module.kv_proj(hidden_states), module.kv_norm.weight, rms_norm_eps(module.kv_norm)), positions)
     compressor = indexer = index_features = None
     if module.compressor is not None:
         compressor = DeepseekV4Compressor(module.compressor, rotary)

@@ -56,6 +56,7 @@ from cpkv.integrations.causal_lm import (
     shard_by_plan,
     shift_labels,
 )
+from cpkv.integrations.hf_v4_forms import check_deepseek_v4_forms
 from cpkv.integrations.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from cpkv.integrations.transformers import deepseek_v4_attention, deepseek_v4_plan_options
 from cpkv.plan.attention import AttentionPlan, Exchange, Layout, plan_attention
@@ -144,7 +145,9 @@ class DeepseekV4CPContext:
 
 
 def _is_attention(module: Any) -> bool:
-    return all(hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
+    """A ``DeepseekV4Attention`` by its class name, or (a subclass renamed) by the submodules cpkv first reads."""
+    return type(module).__name__ == "DeepseekV4Attention" or all(
+        hasattr(module, a) for a in ("q_a_proj", "kv_proj", "o_a_proj", "sinks", "layer_type", "compressor"))
 
 
 def _longest_document(plan: AttentionPlan) -> int:
@@ -259,16 +262,20 @@ def enable_deepseek_v4_cp(model: Any) -> Any:
 
     Raises:
         TypeError: ``model`` holds no ``DeepseekV4Attention`` or no ``rotary_emb``.
+        RuntimeError: the installed ``transformers`` changed a piece cpkv reads
+            (:func:`~cpkv.integrations.hf_v4_forms.check_deepseek_v4_forms`: the version, the
+            tested range and the piece, on every rank before any collective).
 
     Example:
         >>> model = enable_deepseek_v4_cp(DeepseekV4ForCausalLM(config))  # doctest: +SKIP
     """
-    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
-    rotary = next((m.rotary_emb for m in modules if hasattr(m, "rotary_emb") and hasattr(m, "layers")), None)
-    attention = [m for m in modules if _is_attention(m)]
+    named = list(model.named_modules()) if isinstance(model, torch.nn.Module) else []
+    rotary = next((m.rotary_emb for _, m in named if hasattr(m, "rotary_emb") and hasattr(m, "layers")), None)
+    attention = [(name, m) for name, m in named if _is_attention(m)]
     if rotary is None or not attention:
         raise TypeError(f"model must be a transformers DeepseekV4ForCausalLM or DeepseekV4Model, got {type(model).__name__}")
-    for module in attention:
+    check_deepseek_v4_forms(attention, rotary)  # before any forward: one error naming the release and the piece
+    for _, module in attention:
         module.forward = functools.partial(_cp_attention_forward, module, rotary)
     return model
 
@@ -350,9 +357,9 @@ def _forward_with_head_loss(
     """
     losses: list[Tensor] = []
 
-    def take_hidden(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Tensor] | None:
+    def take_hidden(head: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Tensor] | None:
         hidden = args[0]
-        weight = module.weight
+        weight = head.weight
         if not isinstance(weight, Tensor):
             raise TypeError(f"the head's weight must be a tensor, got {type(weight).__name__}")
         losses.append(loss_of(hidden.reshape(-1, hidden.shape[-1]), weight))

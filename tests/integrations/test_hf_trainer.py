@@ -391,6 +391,14 @@ def test_checkpoint_loads_into_an_unwrapped_model(four_ranks: list[dict[str, Any
     assert all(torch.equal(p, trained[n].to(p.dtype)) for n, p in model.named_parameters())
 
 
+def _pins_float32() -> bool:
+    """Whether this transformers builds DeepSeek-V4's norms, sinks and biases in float32 whatever the model dtype."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.24")
+
+
 def test_a_resume_reads_every_tensor_in_its_saved_dtype(tmp_path: Path) -> None:
     """``CPTrainerMixin._load_from_checkpoint`` into a float64 model: every tensor as saved, bit for bit (one file, shards).
 
@@ -409,7 +417,8 @@ def test_a_resume_reads_every_tensor_in_its_saved_dtype(tmp_path: Path) -> None:
     for directory, shard in ((tmp_path / "one", "5GB"), (tmp_path / "shards", "20KB")):
         saved.save_pretrained(directory, max_shard_size=shard)
         rounded = DeepseekV4ForCausalLM.from_pretrained(directory, dtype=torch.float64).state_dict()
-        assert sum(t.dtype == torch.float32 for t in rounded.values()) > 10  # the case this is for
+        if _pins_float32():  # the case this is for (transformers >= 5.24 builds those tensors in float32)
+            assert sum(t.dtype == torch.float32 for t in rounded.values()) > 10
         target = _model()
         with torch.no_grad():
             for param in target.parameters():
