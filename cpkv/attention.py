@@ -64,7 +64,8 @@ class AttentionSpec:
         topk: entries the indexer selects per query (INDEXER).
         indexer_loss: INDEXER layers: attach the indexer's KL loss (its only gradient; see
             docs/semantics.md). ``False`` leaves the indexer without gradient (as Hugging Face's
-            DeepSeek-V4 attention does).
+            DeepSeek-V4 attention does). Under ``torch.no_grad()`` / ``torch.inference_mode()`` the
+            loss is skipped (no KL target, no KL): nothing could train the indexer.
         index_key_dtype: INDEXER layers: the dtype the indexer keys are rounded to and travel in
             (``None``: the compute dtype; ``torch.float32``, ``torch.bfloat16``, or
             ``torch.float8_e4m3fn`` with one fp32 scale per key, as DeepSeek's indexer);
@@ -177,7 +178,7 @@ class AttentionOutput(NamedTuple):
         out: ``[T/cp, H, d_v]`` attention output of the rank's queries.
         indexer_loss: ``sum_t KL_t`` over the rank's real queries (padding rows named by
             ``plan.valid_queries`` excluded; 0-d fp32, detached, for logging) in INDEXER layers
-            with entries, else ``None``.
+            with entries (and grad mode on), else ``None``.
         effective_ratio: the ratio actually used (1 when no entry exists on this rank).
     """
 
@@ -723,6 +724,7 @@ def attention_forward(
     local_sinks = sinks if not source.rounds else None
     num_kv = sum(t.shape[0] for t in kv_parts)
     selected, probs = None, None
+    learn_indexer = spec.indexer_loss and torch.is_grad_enabled()  # forward only (no_grad, inference_mode): no KL work
     if not entry_parts:  # NO_COMPRESS, or no entry on this rank: the effective ratio is 1
         kv_all = kv_buffer = _concat(kv_parts)
         keys, values = _heads(kv_buffer, q.shape[-1], spec.d_v, v is not None)
@@ -741,7 +743,7 @@ def attention_forward(
             cmp_rows = torch.where(picked >= 0, picked + num_kv, -1)
             selected = picked
         indices = torch.cat([source.segments.window_indices(window), cmp_rows], dim=1)
-        wants_probs = selected is not None and spec.indexer_loss and len(source.rounds) == 0  # the KL target from this call's LSE
+        wants_probs = selected is not None and learn_indexer and len(source.rounds) == 0  # the KL target from this call's LSE
         probs_from = indices.shape[1] - cmp_rows.shape[1]
         if isinstance(ops, CompressedLayerBackend):  # one kernel call given the layer's structure (NPU fused)
             layer = CompressedLayer(source.segments, plan.segments, visible, window, num_kv, selected)
@@ -765,7 +767,7 @@ def attention_forward(
                 parts.append(ops.range_attention(q, keys, values, ring_round.ranges, scale=scale))
         result = merge_partials(parts, sinks)
     loss = None
-    if selected is not None and index is not None and spec.indexer_loss:
+    if selected is not None and index is not None and learn_indexer:
         if probs is None:  # ring rounds: the target's denominator is the merged LSE
             with torch.no_grad():
                 probs = ops.selected_probs(q.detach(), kv_all.detach(), cmp_rows, result.lse.detach(), scale=scale)

@@ -27,6 +27,14 @@ What it changes, and nothing else (docs/semantics.md, "Hugging Face's Trainer un
   ``dp x cp`` ranks is one process's gradient of the whole step.
 * **logging**: each rank's loss is its tokens' share, so the mean over all ranks that
   ``Trainer`` logs is one process's loss of the step.
+* **evaluation**: ``evaluate()``, ``predict()`` and ``eval_strategy`` run
+  :func:`~cpkv.integrations.causal_lm_eval.deepseek_v4_causal_lm_eval` per eval batch (forward
+  only, chunked scores); the evaluation loaders are sharded over the data ranks as the
+  training one, and the loop gathers one copy of each CP group's results
+  (:meth:`CPTrainerMixin.gather_over_data_ranks`): ``eval_loss`` (the mean over batches of each
+  batch's token-weighted loss) is what ``dp`` processes of a plain ``Trainer`` report, the same
+  on every rank; with ``prediction_loss_only=False`` the predictions are each token's label
+  log-probability and argmax (:meth:`CPTrainerMixin.prediction_step`).
 * **checkpoint**: :func:`~cpkv.integrations.transformers_lm.enable_deepseek_v4_cp` renames
   nothing, so ``save_pretrained`` (and ``Trainer``'s checkpoints) hold Hugging Face's keys and
   load into an unwrapped model; resuming restores every tensor in its saved dtype (float64
@@ -53,6 +61,7 @@ from torch.distributed import ProcessGroup
 from cpkv.backends.base import AttentionBackend, BackendName
 from cpkv.checks import check_int
 from cpkv.integrations.causal_lm import shift_labels
+from cpkv.integrations.causal_lm_eval import deepseek_v4_causal_lm_eval
 from cpkv.integrations.collate import packed_batch
 from cpkv.integrations.linear_cross_entropy import DEFAULT_CHUNK_SIZE
 from cpkv.integrations.transformers_lm import (
@@ -348,7 +357,6 @@ class CPTrainerMixin(_TrainerBase):
             ``parallelism_config.cp_size > 1`` in the ``TrainingArguments``, a ``cp`` that
             does not fit the world (:func:`data_cp_mesh`), a batch that differs between the
             ranks of a CP group (on every rank of it, in the step's first forward).
-        NotImplementedError: evaluation (``prediction_step``): not supported under CP yet.
     """
 
     loss_is_scaled_for_ga = True  # the loss is normalised by the whole step's count: Trainer must not divide it
@@ -411,17 +419,28 @@ class CPTrainerMixin(_TrainerBase):
         count = global_num_items([inputs], self.cp_mesh, batch.input_ids.device) if num_items_in_batch is None else num_items_in_batch
         # The indexer's KL: the call divides it by this batch's queries; the step's is over its valid labels (x dp: DDP's mean).
         indexer_scale = self.cp_mesh.dp_size * batch.input_ids.numel() / max(int(count), 1) if self.cp_indexer_loss else 1.0
-        ids, labels, cu, padding = batch.input_ids, batch.labels, batch.cu_seqlens, None
-        if self.cp_layout != "balanced":
-            multiple = self.cp_mesh.cp_size * (2 if self.cp_layout == "zigzag" else 1)
-            padded = pad_documents(torch.stack([ids, labels], dim=1), cu, multiple)
-            ids, labels, cu, padding = padded.x[:, 0], padded.x[:, 1], padded.cu_seqlens, padded.padding
+        ids, labels, cu, padding = self.cp_padded(inputs)
         return deepseek_v4_causal_lm_loss(
             model, ids, self.cp_mesh.cp_group, cu_seqlens=cu, labels=labels, layout=self.cp_layout,
             exchange=self.cp_exchange, grad_reduction="mean", num_items_in_batch=count, ignore_index=IGNORE_INDEX,
             backend=self.cp_backend, padding=padding, indexer_loss=self.cp_indexer_loss, grad_scale=indexer_scale,
             chunk_size=self.cp_loss_chunk_size,
         )
+
+    def cp_padded(self, inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(input_ids [T'], labels [T'], cu_seqlens [B + 1], padding [B] or None)`` of a batch, padded as the layout needs.
+
+        The contiguous and zigzag layouts pad every document to a multiple of ``cp`` and
+        ``2 * cp`` (:func:`cpkv.pad_documents`; the padding is never a target); the balanced
+        one takes the batch as it is (``padding`` ``None``).
+        """
+        batch = packed_batch(inputs)
+        ids, labels, cu = batch.input_ids, batch.labels, batch.cu_seqlens
+        if self.cp_layout == "balanced":
+            return ids, labels, cu, None
+        multiple = self.cp_mesh.cp_size * (2 if self.cp_layout == "zigzag" else 1)
+        padded = pad_documents(torch.stack([ids, labels], dim=1), cu, multiple)
+        return padded.x[:, 0], padded.x[:, 1], padded.cu_seqlens, padded.padding
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Tensor | int | None = None,
@@ -468,9 +487,94 @@ class CPTrainerMixin(_TrainerBase):
         state.update(_saved_values(loaded, resume_from_checkpoint, {n: t for n, t in state.items() if n in own and t.dtype != own[n].dtype}))
         target.load_state_dict(state)
 
-    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported under CP yet (the evaluation loop gathers per-rank logits and samples over the world)."""
-        raise NotImplementedError(
-            "evaluation is not supported by CPTrainerMixin yet: evaluate with a plain Trainer on an unwrapped model"
-            " (save_pretrained's checkpoints load into one)"
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """``Trainer``'s evaluation loader, sharded over the data ranks (every rank of a CP group gets the same batches)."""
+        return shard_over_data_ranks(super().get_eval_dataloader(eval_dataset), self.cp_mesh)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """``Trainer``'s prediction loader, sharded over the data ranks."""
+        return shard_over_data_ranks(super().get_test_dataloader(test_dataset), self.cp_mesh)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer``'s loop (``evaluate``, ``predict``, ``eval_strategy``) with one copy of each CP group's results gathered.
+
+        Every rank of a CP group returns the same values from :meth:`prediction_step`; the
+        loop's gathers (``Trainer.gather_function``) take them from the first rank of each
+        group (:meth:`gather_over_data_ranks`). The modules' training flags are restored
+        afterwards (``Trainer`` puts the model in eval mode for the loop).
+        """
+        modes = [(module, module.training) for module in self.model.modules()] if isinstance(self.model, torch.nn.Module) else []
+        self.gather_function = self.gather_over_data_ranks
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = self.accelerator.gather_for_metrics
+            for module, training in modes:
+                module.training = training
+
+    def gather_over_data_ranks(self, data: Any) -> Any:
+        """accelerate's ``gather_for_metrics`` over the CP groups: one copy per group, the last step's repeats dropped.
+
+        ``data`` (a tensor or nested tuples of them, the same on every rank of a CP group, of
+        one shape on every rank: ``Trainer`` pads them first) is gathered over the world and
+        the first rank of each CP group is kept, in data-rank order: what ``dp`` processes of
+        a plain ``Trainer`` gather. At the end of the loader the samples accelerate repeated
+        to even out the last step are dropped (``gradient_state.remainder``, counted over
+        ``dp`` shards by :func:`shard_over_data_ranks`), as ``gather_for_metrics`` does.
+        """
+        from accelerate.utils import recursively_apply  # type: ignore[import-untyped]
+
+        mesh = self.cp_mesh
+        if mesh.dp_size * mesh.cp_size == 1:
+            return self.accelerator.gather_for_metrics(data)
+
+        def one_per_group(tensor: Tensor) -> Tensor:
+            rows = tensor.shape[0] // (mesh.dp_size * mesh.cp_size)
+            return tensor.reshape(mesh.dp_size, mesh.cp_size, rows, *tensor.shape[1:])[:, 0].reshape(-1, *tensor.shape[1:])
+
+        gathered = recursively_apply(one_per_group, self.accelerator.gather(data))
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            gathered = recursively_apply(lambda tensor: tensor[: state.remainder], gathered)
+        return gathered
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None,
+    ) -> tuple[Tensor, Any, Tensor | None]:
+        """One evaluation batch on this rank's CP group: its loss and, for metrics, per-token scores (``Trainer``'s hook).
+
+        :func:`~cpkv.integrations.causal_lm_eval.deepseek_v4_causal_lm_eval` on the batch,
+        forward only (no gradient, no indexer loss), padded for the layout as in training.
+
+        Returns:
+            ``(loss, predictions, labels)``, the same on every rank of the CP group:
+
+            * ``loss``: 0-d float64, the batch's summed cross-entropy over its count of valid
+              shifted labels (documents attending separately, padding and ``-100`` excluded):
+              a plain ``Trainer``'s loss of the batch. ``eval_loss`` is ``Trainer``'s mean of
+              these over the batches (each repeated ``eval_batch_size`` times, the last
+              step's repeats dropped), as ``dp`` data-parallel processes of a plain
+              ``Trainer`` with the same ``per_device_eval_batch_size`` report it.
+            * ``predictions``: ``None`` with ``prediction_loss_only``; else a pair of ``[1, T]``
+              tensors in the batch's token order (the padding removed): each token's
+              log-probability of its next-token label (float64 for a float64 model, else
+              float32; 0 where the label is ``-100``) and its argmax (int64, the predicted
+              next token), computed chunk by chunk from the head's input (never the
+              ``[T, V]`` logits). ``compute_metrics`` receives them as
+              ``EvalPrediction.predictions`` (a pair of arrays, one row per batch, padded with
+              ``-100`` to the longest batch).
+            * ``labels``: ``None`` with ``prediction_loss_only``; else ``[1, T]`` the shifted
+              labels (the target of each token, ``-100`` where none): ``label_ids``; mask
+              with ``label_ids != -100``.
+        """
+        prepared = self._prepare_inputs(inputs)
+        ids, labels, cu, padding = self.cp_padded(prepared)
+        out = deepseek_v4_causal_lm_eval(
+            model, ids, self.cp_mesh.cp_group, cu_seqlens=cu, labels=labels, layout=self.cp_layout,
+            exchange=self.cp_exchange, ignore_index=IGNORE_INDEX, backend=self.cp_backend, padding=padding,
+            chunk_size=self.cp_loss_chunk_size, return_tokens=not prediction_loss_only,
         )
+        loss = out.nll.sum() / out.num_tokens.sum().clamp(min=1)
+        if prediction_loss_only or out.log_probs is None or out.predictions is None:
+            return loss, None, None
+        return loss, (out.log_probs[None], out.predictions[None]), out.labels[None]

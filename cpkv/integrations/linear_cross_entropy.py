@@ -26,7 +26,7 @@ backward recomputes the logits): four instead of three.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,18 +34,19 @@ from torch import Tensor
 
 from cpkv.checks import check_int, check_int_dtype, check_ndim, check_tensor
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "linear_cross_entropy"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "TokenScores", "linear_cross_entropy", "linear_token_scores"]
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk: one chunk's float32 logits are ``1024 * V * 4`` bytes (0.5 GB at V = 129,280)."""
 
 
 def _chunk_exp(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, compute: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One chunk: ``(exp(logits - max) [C, V], sum of it [C, 1], log-sum-exp minus target logit [C], valid [C])``.
+    """One chunk: ``(exp(logits - max) [C, V], sum of it [C, 1], log-sum-exp minus target logit [C], valid [C])``."""
+    return _exp_of(F.linear(hidden, weight).to(compute), labels, ignore_index)
 
-    The exponentials overwrite the chunk's compute-dtype logits (one ``[C, V]`` buffer).
-    """
-    logits = F.linear(hidden, weight).to(compute)
+
+def _exp_of(logits: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_chunk_exp` of a chunk's compute-dtype logits ``[C, V]``, which the exponentials overwrite (one buffer)."""
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0).long()
     target = logits.gather(1, safe[:, None])[:, 0]
@@ -53,6 +54,23 @@ def _chunk_exp(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int
     exp = logits.sub_(shift).exp_()
     total = exp.sum(dim=1, keepdim=True)
     return exp, total, (shift + total.log())[:, 0] - target, valid
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int) -> None:
+    check_ndim("hidden", check_tensor("hidden", hidden), 2, "[N, H]")
+    check_ndim("weight", check_tensor("weight", weight), 2, "[V, H]")
+    check_int_dtype("labels", check_tensor("labels", labels))
+    check_int("chunk_size", chunk_size, minimum=1)
+    check_int("ignore_index", ignore_index)
+    if not hidden.is_floating_point() or weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"hidden and weight must be floating tensors of one dtype and device, got {hidden.dtype} on {hidden.device}"
+            f" and {weight.dtype} on {weight.device}"
+        )
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[1]} (hidden's), got shape {tuple(weight.shape)}")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"labels must be [N] = [{hidden.shape[0]}] (hidden's rows), got shape {tuple(labels.shape)}")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -130,21 +148,62 @@ def linear_cross_entropy(
         >>> loss.shape, loss.dtype
         (torch.Size([]), torch.float32)
     """
-    check_ndim("hidden", check_tensor("hidden", hidden), 2, "[N, H]")
-    check_ndim("weight", check_tensor("weight", weight), 2, "[V, H]")
-    check_int_dtype("labels", check_tensor("labels", labels))
-    check_int("chunk_size", chunk_size, minimum=1)
-    check_int("ignore_index", ignore_index)
-    if not hidden.is_floating_point() or weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise TypeError(
-            f"hidden and weight must be floating tensors of one dtype and device, got {hidden.dtype} on {hidden.device}"
-            f" and {weight.dtype} on {weight.device}"
-        )
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[1]} (hidden's), got shape {tuple(weight.shape)}")
-    if labels.shape != (hidden.shape[0],):
-        raise ValueError(f"labels must be [N] = [{hidden.shape[0]}] (hidden's rows), got shape {tuple(labels.shape)}")
+    _check_inputs(hidden, weight, labels, ignore_index, chunk_size)
     loss: Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.to(hidden.device), ignore_index, chunk_size
     )
     return loss
+
+
+class TokenScores(NamedTuple):
+    """Result of :func:`linear_token_scores`: per token, its label's log-probability and the head's argmax.
+
+    Attributes:
+        log_probs: ``[N]`` compute dtype (``promote_types(hidden.dtype, float32)``):
+            ``log softmax(hidden[t] @ weight^T)[labels[t]]``, 0 where ``labels[t] == ignore_index``.
+        argmax: ``[N]`` int64: the most likely class of each token (the first of ties), every token.
+    """
+
+    log_probs: Tensor
+    argmax: Tensor
+
+
+def linear_token_scores(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> TokenScores:
+    """Each token's label log-probability and argmax under the head ``hidden @ weight^T``, ``chunk_size`` tokens at a time.
+
+    Forward only (no autograd graph, whatever the grad mode): the evaluation counterpart of
+    :func:`linear_cross_entropy`, whose per-token terms are ``-log_probs`` at the valid labels.
+    At most one chunk's ``[chunk_size, V]`` logits (and their compute-dtype copy) live at a time;
+    never ``[N, V]``.
+
+    Args:
+        hidden, weight, labels, ignore_index, chunk_size: as in :func:`linear_cross_entropy`.
+
+    Returns:
+        :class:`TokenScores` on ``hidden``'s device.
+
+    Raises:
+        TypeError, ValueError: as :func:`linear_cross_entropy`.
+
+    Example:
+        >>> h, w = torch.randn(5, 4), torch.randn(7, 4)
+        >>> scores = linear_token_scores(h, w, torch.tensor([1, 2, -100, 6, 0]), chunk_size=2)
+        >>> scores.log_probs.shape, scores.argmax.dtype, float(scores.log_probs[2])
+        (torch.Size([5]), torch.int64, 0.0)
+    """
+    _check_inputs(hidden, weight, labels, ignore_index, chunk_size)
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    labels = labels.to(hidden.device)
+    log_probs = torch.empty(hidden.shape[0], dtype=compute, device=hidden.device)
+    argmax = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = F.linear(hidden[rows], weight).to(compute)
+            argmax[rows] = logits.argmax(dim=1)
+            ce, valid = _exp_of(logits, labels[rows], ignore_index)[2:]
+            log_probs[rows] = torch.where(valid, -ce, 0)
+            del logits  # one chunk's [C, V] alive at a time
+        return TokenScores(log_probs, argmax)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,10 +67,15 @@ __all__ = [
     "CONTEXT_KWARG",
     "DeepseekV4CPContext",
     "LayerRecords",
+    "DeepseekV4Batch",
     "DeepseekV4CausalLMOutput",
     "deepseek_v4_causal_lm_loss",
     "enable_deepseek_v4_cp",
+    "plan_deepseek_v4_batch",
+    "run_deepseek_v4_batch",
 ]
+
+Result = TypeVar("Result")
 
 CONTEXT_KWARG = "cpkv_context"
 """The keyword argument of a model's forward that carries the :class:`DeepseekV4CPContext`."""
@@ -339,9 +344,9 @@ def _head(model: Any) -> torch.nn.Module:
 
 
 def _forward_with_head_loss(
-    model: Any, head: torch.nn.Module, loss_of: Callable[[Tensor, Tensor], Tensor], inputs: dict[str, Any],
+    model: Any, head: torch.nn.Module, loss_of: Callable[[Tensor, Tensor], Result], inputs: dict[str, Any],
     return_logits: bool,
-) -> tuple[Any, Tensor]:
+) -> tuple[Any, Result]:
     """``model(**inputs)`` with the loss taken from the head's input: ``(output, loss_of(hidden [T/cp, H], head.weight))``.
 
     Three hooks of ``head``, registered for this call only, make the loss part of the head's
@@ -355,7 +360,7 @@ def _forward_with_head_loss(
     pre-hook, a head that is its own FSDP2 unit freed its gathered weight after the forward and
     the loss's backward read an empty storage.)
     """
-    losses: list[Tensor] = []
+    losses: list[Result] = []
 
     def take_hidden(head: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Tensor] | None:
         hidden = args[0]
@@ -365,10 +370,10 @@ def _forward_with_head_loss(
         losses.append(loss_of(hidden.reshape(-1, hidden.shape[-1]), weight))
         return None if return_logits else (hidden[..., :0, :],)
 
-    def expose_loss(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> tuple[Any, Tensor]:
+    def expose_loss(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> tuple[Any, Result]:
         return output, losses[-1]
 
-    def hide_loss(module: torch.nn.Module, args: tuple[Any, ...], output: tuple[Any, Tensor]) -> Any:
+    def hide_loss(module: torch.nn.Module, args: tuple[Any, ...], output: tuple[Any, Result]) -> Any:
         return output[0]
 
     handles = [head.register_forward_pre_hook(take_hidden), head.register_forward_hook(expose_loss, prepend=True),
@@ -492,6 +497,82 @@ def deepseek_v4_causal_lm_loss(
         >>> out = deepseek_v4_causal_lm_loss(model, input_ids, cp_group, cu_seqlens=cu_seqlens)  # doctest: +SKIP
         >>> out.loss.backward()  # doctest: +SKIP
     """
+    group = check_group("group", group)
+
+    def loss_checks() -> None:
+        grad_reduction_scale(grad_reduction, group)
+        check_int("chunk_size", chunk_size, minimum=1)
+
+    batch = plan_deepseek_v4_batch(model, input_ids, group, cu_seqlens=cu_seqlens, position_ids=position_ids, labels=labels,
+                                   layout=layout, exchange=exchange, ignore_index=ignore_index, check_ranks=check_ranks,
+                                   padding=padding, plan=plan, more_checks=loss_checks)
+    scale = grad_reduction_scale(grad_reduction, group)
+    count = global_valid_count(batch.labels_local, group, ignore_index=ignore_index)
+    normaliser = count if num_items_in_batch is None else num_items_in_batch
+
+    def loss_of(hidden: Tensor, weight: Tensor) -> Tensor:
+        return causal_lm_loss_from_hidden(hidden, weight, batch.labels_local, group, num_items_in_batch=normaliser,
+                                          ignore_index=ignore_index, grad_reduction=grad_reduction, chunk_size=chunk_size)
+
+    learn_indexer = indexer_loss and torch.is_grad_enabled()  # forward only: no KL (nothing would train the indexer)
+    output, loss, context = run_deepseek_v4_batch(model, batch, loss_of, backend=backend, indexer_loss=learn_indexer,
+                                                  grad_scale=grad_scale * scale, return_logits=return_logits)
+    logits = output.logits[0] if return_logits else None
+    config = _config(model)
+    csa = [i for i in sorted(context.records) if config.layer_types[i] == "compressed_sparse_attention"] if learn_indexer else []
+    kl = [context.records[i] for i in csa]
+    logged = torch.stack([loss.detach() / scale] + [loss.new_zeros(()) if v is None else v.detach().to(loss.dtype) for v in kl])
+    dist.all_reduce(logged, op=dist.ReduceOp.SUM, group=group)
+    indexer = {i: logged[k + 1] / batch.plan.num_global_queries for k, i in enumerate(csa)}
+    return DeepseekV4CausalLMOutput(loss, logged[0], count, indexer, logits, batch.labels_local, batch.plan)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeepseekV4Batch:
+    """A packed micro-batch checked, planned and sharded on this rank (:func:`plan_deepseek_v4_batch`).
+
+    Attributes:
+        cu_seqlens: ``[B + 1]`` leading-zero document boundaries of the whole (padded) batch.
+        labels: ``[T]`` the whole batch's shifted labels (:func:`~cpkv.integrations.causal_lm.shift_labels`:
+            ``ignore_index`` at each document's last real token and at the padding).
+        padding: ``[B]`` padding tokens at the end of each document, or ``None``.
+        plan: this rank's :class:`~cpkv.AttentionPlan` of the batch.
+        input_ids: ``[T/cp]`` this rank's token ids, in shard order.
+        labels_local: ``[T/cp]`` this rank's shifted labels, in shard order.
+        group: the CP group, as the call resolved it.
+    """
+
+    cu_seqlens: Tensor
+    labels: Tensor
+    padding: Tensor | None
+    plan: AttentionPlan
+    input_ids: Tensor
+    labels_local: Tensor
+    group: Group
+
+
+def plan_deepseek_v4_batch(
+    model: Any, input_ids: Tensor, group: Group, *, cu_seqlens: Tensor | None = None, position_ids: Tensor | None = None,
+    labels: Tensor | None = None, layout: Layout = "balanced", exchange: Exchange = "need", ignore_index: int = -100,
+    check_ranks: bool = True, padding: Tensor | None = None, plan: AttentionPlan | None = None,
+    more_checks: Callable[[], None] | None = None,
+) -> DeepseekV4Batch:
+    """Check, plan and shard one packed micro-batch of a CP-enabled DeepSeek-V4: the first half of every call on it.
+
+    What :func:`deepseek_v4_causal_lm_loss` and
+    :func:`~cpkv.integrations.causal_lm_eval.deepseek_v4_causal_lm_eval` do before the model
+    runs: the arguments are checked (and ``more_checks()``, the caller's own) and the group
+    agrees on the outcome (a rank's bad argument raises on every rank, before any other
+    collective); the labels are shifted within each document on the whole batch; the batch is
+    planned (or ``plan`` checked) with the model's own options; ids and labels are sharded by
+    the plan. Arguments as in :func:`deepseek_v4_causal_lm_loss`.
+
+    Returns:
+        :class:`DeepseekV4Batch`.
+
+    Raises:
+        TypeError, ValueError: as :func:`deepseek_v4_causal_lm_loss`, on every rank when any rank's are.
+    """
     config = _config(model)
     group = check_group("group", group)
     try:  # every rank learns of a bad argument on any rank, before the plan's collectives
@@ -502,9 +583,9 @@ def deepseek_v4_causal_lm_loss(
         if targets.numel() != ids.numel():
             raise ValueError(f"labels must hold input_ids' {ids.numel()} tokens, got {targets.numel()}")
         shifted = shift_labels(targets, cu, ignore_index=ignore_index, padding=padding)
-        scale = grad_reduction_scale(grad_reduction, group)
-        check_int("chunk_size", chunk_size, minimum=1)
-        head = _head(model)
+        _head(model)
+        if more_checks is not None:
+            more_checks()
         if plan is not None:
             check_given_plan(plan, cu, group, padding=padding)
     except Exception as error:  # noqa: BLE001 - agreed, then raised
@@ -520,21 +601,39 @@ def deepseek_v4_causal_lm_loss(
         )
     elif check_ranks:
         check_same_on_all_ranks(cu, cp_group, options=plan.comparison_options(), fingerprint=fingerprint)
-    ids_local, labels_local = shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan)
+    return DeepseekV4Batch(cu, shifted, padding, plan, shard_by_plan(ids, cu, plan), shard_by_plan(shifted, cu, plan), group)
+
+
+def run_deepseek_v4_batch(
+    model: Any, batch: DeepseekV4Batch, of_hidden: Callable[[Tensor, Tensor], Result], *,
+    backend: BackendName | AttentionBackend = "auto", indexer_loss: bool = False, grad_scale: float = 1.0,
+    return_logits: bool = False,
+) -> tuple[Any, Result, DeepseekV4CPContext]:
+    """Run the model on this rank's tokens of ``batch``; ``of_hidden(hidden [T/cp, H], head weight [V, H])`` where the head runs.
+
+    The second half of every call on a batch: positions ``plan.q_positions``, no mask, no
+    cache, no router loss, a :class:`DeepseekV4CPContext` for the attention layers; the head
+    gets zero tokens unless ``return_logits`` (``of_hidden`` computes what is wanted from its
+    input and weight chunk by chunk instead, inside the head's call: FSDP2's hooks gather its
+    weight around it). Every layer's failure raises on every rank after the forward.
+
+    Returns:
+        ``(the model's output, of_hidden's result, the context)`` (the context's ``records``:
+        layer index -> its indexer loss).
+
+    Raises:
+        RuntimeError: some attention layer did not receive the context (a wrapper dropped the
+            ``cpkv_context`` keyword argument). TypeError: a head that did not run once.
+    """
+    group, plan = batch.group, batch.plan
     status = StepStatus(group)  # the layers report to it; checked once, after the forward
-    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale * scale, status=status,
+    context = DeepseekV4CPContext(plan, group, backend, indexer_loss, grad_scale, status=status,
                                   longest_document=_longest_document(plan))
-    count = global_valid_count(labels_local, group, ignore_index=ignore_index)
-    normaliser = count if num_items_in_batch is None else num_items_in_batch
-
-    def loss_of(hidden: Tensor, weight: Tensor) -> Tensor:
-        return causal_lm_loss_from_hidden(hidden, weight, labels_local, group, num_items_in_batch=normaliser,
-                                          ignore_index=ignore_index, grad_reduction=grad_reduction, chunk_size=chunk_size)
-
-    inputs = {"input_ids": ids_local[None], "position_ids": plan.q_positions.to(ids.device)[None],
+    ids = batch.input_ids
+    inputs = {"input_ids": ids[None], "position_ids": plan.q_positions.to(ids.device)[None],
               "attention_mask": {"cpkv": None}, "use_cache": False, "output_router_logits": False, CONTEXT_KWARG: context}
-    output, loss = _forward_with_head_loss(model, head, loss_of, inputs, return_logits)
-    expected = int(config.num_hidden_layers)
+    output, result = _forward_with_head_loss(model, _head(model), of_hidden, inputs, return_logits)
+    expected = int(_config(model).num_hidden_layers)
     if len(context.records) != expected:
         raise RuntimeError(
             f"only {len(context.records)} of the model's {expected} attention layers ran under CP, though every one"
@@ -543,10 +642,4 @@ def deepseek_v4_causal_lm_loss(
             " layers wrote into another LayerRecords)"
         )
     status.check()  # a layer call that failed on any rank raises on every rank, before any backward
-    logits = output.logits[0] if return_logits else None
-    csa = [i for i in sorted(context.records) if config.layer_types[i] == "compressed_sparse_attention"] if indexer_loss else []
-    kl = [context.records[i] for i in csa]
-    logged = torch.stack([loss.detach() / scale] + [loss.new_zeros(()) if v is None else v.detach().to(loss.dtype) for v in kl])
-    dist.all_reduce(logged, op=dist.ReduceOp.SUM, group=group)
-    indexer = {i: logged[k + 1] / plan.num_global_queries for k, i in enumerate(csa)}
-    return DeepseekV4CausalLMOutput(loss, logged[0], count, indexer, logits, labels_local, plan)
+    return output, result, context
