@@ -6,6 +6,7 @@ bench keeps it) and prints it. ``--smoke`` runs tiny sizes (used by the tests).
 * :mod:`cpkv.bench.loss_memory`: the chunked causal-LM loss vs whole logits, measured on CPU.
 * :mod:`cpkv.bench.step_memory`: one rank's memory of a whole DeepSeek-V4 training step at 1M
   tokens, counted on meta tensors, and the counter checked against a CPU measurement.
+* :mod:`cpkv.bench.eval_memory`: the same for an evaluation (forward-only) step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from cpkv.bench.eval_memory import eval_memory_lines, eval_memory_table
 from cpkv.bench.layouts import existing_section, replace_section
 from cpkv.bench.loss_memory import loss_memory_lines, loss_memory_table
 from cpkv.bench.memory_check import counter_check_lines, counter_checks
@@ -57,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
                                   full_max_gib=args.full_max_gib)
     print("whole step ...", file=sys.stderr)
     step_rows = step_memory_table(args.tokens, args.cps, args.world, smoke=args.smoke)
+    print("evaluation step ...", file=sys.stderr)
+    eval_rows = eval_memory_table(args.tokens, args.cps, args.world, smoke=args.smoke)
     checks = counter_checks(smoke=args.smoke)
     lines = [BEGIN, *loss_memory_lines(loss_rows), *step_memory_lines(step_rows, args.tokens, args.world),
-             *reading_lines(step_rows),
+             *reading_lines(step_rows), *eval_memory_lines(eval_rows, args.tokens, args.world),
              *counter_check_lines(checks), END]
     section = "\n".join(lines) + "\n"
     old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"

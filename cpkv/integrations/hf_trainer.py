@@ -191,8 +191,11 @@ def shard_over_data_ranks(dataloader: Any, mesh: DataCPMesh) -> Any:
     ``IterableDatasetShard`` for an iterable dataset). Under CP the ``cp`` ranks of a group
     must see the same batches: the shard is set to ``dp_size`` processes and this rank's
     ``dp_rank`` (in place), so CP group ``g`` gets batches ``g, g + dp, ...``, what one process
-    with ``dp`` times the per-device batch reads in the same order. A world of one rank is
-    returned unchanged.
+    with ``dp`` times the per-device batch reads in the same order. With one CP group
+    (``dp = 1``) the shard's ``even_batches`` is turned off: a last partial batch stays as one
+    process reads it (accelerate would fill it up with the loader's first samples); with
+    ``dp > 1`` accelerate's evening-out stays, as for ``dp`` plain data-parallel processes. A
+    world of one rank is returned unchanged.
 
     Args:
         dataloader: accelerate's ``DataLoaderShard`` (what ``Trainer.get_train_dataloader`` returns).
@@ -222,6 +225,8 @@ def shard_over_data_ranks(dataloader: Any, mesh: DataCPMesh) -> Any:
         if shard.num_processes not in (world, mesh.dp_size):
             raise ValueError(f"dataloader is sharded over {shard.num_processes} processes, not the mesh's {world} ranks")
         shard.num_processes, shard.process_index = mesh.dp_size, mesh.dp_rank
+        if mesh.dp_size == 1 and isinstance(shard, BatchSamplerShard):
+            shard.even_batches = False  # one CP group reads one process's batches: no samples repeated to even out ranks
     return dataloader
 
 

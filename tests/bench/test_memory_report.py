@@ -46,7 +46,9 @@ def test_memory_smoke_run_writes_its_section_and_the_counter_matches_the_allocat
     rows = [line.split("|")[1:-1] for line in kept_section(text).splitlines() if line.startswith("| ")]
     loss = [r for r in rows if r[2].strip() in ("float32", "bfloat16")]
     assert loss and all(float(r[8]) >= 2.5 and float(r[5]) < float(r[8]) for r in loss)  # whole logits: ~3x their size
-    step = [r for r in rows if r[0].strip() == "tiny"]
+    step = [r for r in rows if r[0].strip() == "tiny" and len(r) == 16]
+    evaluation = [r for r in rows if r[0].strip() == "tiny" and len(r) == 12]  # forward only: nothing saved for backward
+    assert len(evaluation) == 1 and int(evaluation[0][8]) == 0 and float(evaluation[0][9]) > 0
     assert len(step) == 2 and all(any(f"{w})" in r[8] for w in ("decoder rest", "attention", "reduce-scatter")) for r in step)
     checks = [r for r in rows if "loss, T" in r[0] or "attention" in r[0] or "decoder rest" in r[0]]
     assert len(checks) == 7

@@ -52,6 +52,8 @@ STEPS, ACCUMULATION, PER_DEVICE = 4, 2, 4  # per-device batch of dp 1 (and of th
 LOSS_ABS, PARAM_REL, LOGGED_REL, RESUME_REL = 1e-12, 1e-12, 1e-6, 1e-13
 ADAMW = {"optim": "adamw_torch", "optim_args": None, "weight_decay": 0.1, "learning_rate": 1e-2, "max_steps": 3}
 ADAMW_PARAM_REL = 1e-8
+EVAL_BATCH, EVAL_STEPS = 3, 2  # per-device eval batch; evaluation inside training every 2 steps
+EVAL_ABS, LOG_PROB_ABS = 1e-12, 1e-12
 
 
 def _documents(count: int = 32, seed: int = 7) -> list[dict[str, list[int]]]:
@@ -66,13 +68,18 @@ def _documents(count: int = 32, seed: int = 7) -> list[dict[str, list[int]]]:
     return docs
 
 
+def _eval_documents(remainder: bool = False) -> list[dict[str, list[int]]]:
+    """12 evaluation documents (whole steps of 3 at dp 1, 2 and 4), or 10 (the last step of one document at dp 1)."""
+    return _documents(10, seed=13) if remainder else _documents(12, seed=11)
+
+
 def _arguments(output_dir: str, per_device: int, **more: Any) -> Any:
     from transformers import TrainingArguments
 
     options: dict[str, Any] = dict(
         output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=ACCUMULATION,
         max_steps=STEPS, optim="sgd", optim_args="momentum=0.9", learning_rate=0.1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        disable_tqdm=True, seed=0,  # Trainer's ddp_find_unused_parameters: the indexer gets no gradient, as in HF
+        disable_tqdm=True, seed=0, per_device_eval_batch_size=EVAL_BATCH,  # Trainer's ddp_find_unused_parameters: the indexer gets no gradient, as in HF
     )
     return TrainingArguments(**{**options, **more})
 
@@ -118,7 +125,8 @@ def _result(trainer: Any) -> dict[str, Any]:
             "logged": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
             "grad_norms": [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry],
             "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-            "planned": getattr(trainer, "planned", set())}
+            "planned": getattr(trainer, "planned", set()),
+            "evals": [(entry["step"], entry["eval_loss"]) for entry in trainer.state.log_history if "eval_loss" in entry]}
 
 
 # --- the CP side, on every rank --------------------------------------------------------------
@@ -134,13 +142,64 @@ def _cp_trainer(output_dir: str, cp: Any, docs: Any, dp: int = 1, trainer_option
 
     model = _model()  # built outside hf_oracle.lifted(): HF's init draws depend on the dtype
     return CPTrainer(model=model, args=_arguments(output_dir, PER_DEVICE // dp, **more), train_dataset=docs,
-                     data_collator=DataCollatorWithFlattening(), cp=cp, backend="reference", **(trainer_options or {}))
+                     eval_dataset=_eval_documents(), data_collator=DataCollatorWithFlattening(), cp=cp, backend="reference",
+                     **(trainer_options or {}))
 
 
 def _train(trainer: Any, lift: bool = True, **options: Any) -> dict[str, Any]:
     with hf_oracle.lifted() if lift else contextlib.nullcontext(), _no_mask():
         trainer.train(**options)
     return _result(trainer)
+
+
+IN_TRAINING = {"eval_strategy": "steps", "eval_steps": EVAL_STEPS}
+
+
+def _state(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[bool]]:
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            [m.training for m in model.modules()])
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Parameters and gradients bit for bit, and every module's training flag."""
+    grads_equal = all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+                      for x, y in zip(a[1].values(), b[1].values()))
+    return all(torch.equal(x, y) for x, y in zip(a[0].values(), b[0].values())) and grads_equal and a[2] == b[2]
+
+
+def _evaluate_after(trainer: Any) -> dict[str, Any]:
+    """After training: ``evaluate`` and ``predict`` (per-token scores) on 10 documents; the model's state untouched."""
+    trainer.model.train()
+    with torch.enable_grad():  # a gradient left in place (Trainer zeroes them to None after each step)
+        next(trainer.model.parameters()).grad = torch.full_like(next(trainer.model.parameters()), 0.5)
+    before = _state(trainer.model)
+    with hf_oracle.lifted(), _no_mask():
+        metrics = trainer.evaluate(eval_dataset=_eval_documents(remainder=True))
+        predicted = trainer.predict(_eval_documents(remainder=True))
+    untouched = _same_state(before, _state(trainer.model))
+    next(trainer.model.parameters()).grad = None
+    return {"eval_loss": metrics["eval_loss"], "test_loss": predicted.metrics["test_loss"], "untouched": untouched,
+            "log_probs": predicted.predictions[0], "argmax": predicted.predictions[1], "labels": predicted.label_ids,
+            "metric": predicted.metrics["test_mean_log_prob"]}
+
+
+def _mean_log_prob(prediction: Any) -> dict[str, float]:
+    """``compute_metrics``: the mean label log-probability over every valid token of the set."""
+    log_probs, labels = prediction.predictions[0], prediction.label_ids
+    mask = labels != IGNORE
+    return {"mean_log_prob": float(log_probs[mask].sum() / mask.sum())}
+
+
+def _fresh_evaluations(tmp: str, docs: Any) -> dict[str, Any]:
+    """``evaluate`` on untrained models: dp 4 x cp 1, dp 2 x cp 2 (contiguous, allgather), dp 1 x cp 4 (balanced, allgather)."""
+    results = {}
+    for key, cp, dp, options in (("cp1", 1, 4, {}), ("dp2cp2", 2, 2, {"layout": "contiguous", "exchange": "allgather"}),
+                                 ("cp4", 4, 1, {"exchange": "allgather"})):
+        trainer = _cp_trainer(os.path.join(tmp, f"fresh-{key}"), cp, docs, dp, trainer_options=options)
+        with hf_oracle.lifted(), _no_mask():
+            results[f"fresh/{key}"] = trainer.evaluate()["eval_loss"]
+    return results
 
 
 def _set_env(rank: int, world: int) -> None:
@@ -176,8 +235,11 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     results["checkpoint"] = os.path.join(run, "checkpoint-4")
     resumed = _cp_trainer(os.path.join(tmp, "resumed"), 2, docs, 2, trainer_options={"exchange": "need"}, **saving)
     results["resumed"] = _train(resumed, resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
-    cp4 = {"layout": "zigzag", "loss_chunk_size": 3}  # the loss over several chunks per micro-batch
-    results["cp4"] = _train(_cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options=cp4))
+    cp4 = {"layout": "zigzag", "loss_chunk_size": 3, "compute_metrics": _mean_log_prob}  # the loss over several chunks per micro-batch
+    cp4_trainer = _cp_trainer(os.path.join(tmp, "cp4"), 4, docs, trainer_options=cp4, **IN_TRAINING)
+    results["cp4"] = _train(cp4_trainer)  # evaluated at steps 2 and 4 inside training
+    results["cp4/after"] = _evaluate_after(cp4_trainer)
+    results |= _fresh_evaluations(tmp, docs)
     for mesh, cp, dp, options in (("dp2cp2", 2, 2, {"exchange": "need"}), ("cp4", 4, 1, {})):  # balanced: no padding
         for indexer in ("off", "on"):
             key = f"adamw/{mesh}/{indexer}"
@@ -187,7 +249,8 @@ def _four_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
         docs = [{**d, "input_ids": [(d["input_ids"][0] + 1) % VOCAB, *d["input_ids"][1:]]} for d in docs]
     results["differs"] = hf_oracle.outcome(lambda: _train(_cp_trainer(os.path.join(tmp, "differs"), 4, docs)))
     if rank:
-        results = {k: v for k, v in results.items() if k in ("mesh", "overlapping", "differs")}  # the others: rank 0's
+        keep = ("mesh", "overlapping", "differs", "cp4/after", "fresh/cp1", "fresh/dp2cp2", "fresh/cp4")
+        results = {k: v for k, v in results.items() if k in keep}  # the others: rank 0's
     return results
 
 
@@ -198,10 +261,12 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     results: dict[str, Any] = {"mesh": _meshes(2, ParallelismConfig(cp_size=2))}
     trainer = _cp_trainer(os.path.join(tmp, "cp2"), 2, _documents(), trainer_options={"layout": "contiguous"})
     results["cp2"] = _train(trainer)
+    with hf_oracle.lifted(), _no_mask():
+        results["cp2/eval"] = trainer.evaluate(eval_dataset=_eval_documents(remainder=True))["eval_loss"]
     return results
 
 
-FOUR_RANKS = shared_spawn(_four_ranks, 4, TmpPath("four"), timeout=240.0)
+FOUR_RANKS = shared_spawn(_four_ranks, 4, TmpPath("four"), timeout=320.0)
 TWO_RANKS = shared_spawn(_two_ranks, 2, TmpPath("two"), timeout=200.0)
 
 
@@ -222,24 +287,36 @@ def _one_process(output_dir: Path, lift: bool = True, **more: Any) -> dict[str, 
     """A plain Trainer with the same arguments (and ``more``) and data: HF's model on each document alone."""
     from transformers import DataCollatorWithFlattening, Trainer
 
-    class OneProcess(Recording, Trainer):
+    trainer = _plain_trainer(Recording, model=_model(), output_dir=str(output_dir), **more)
+    with hf_oracle.lifted() if lift else contextlib.nullcontext(), hf_oracle.earlier_ties():
+        trainer.train()
+        result = _result(trainer)  # before the evaluation after training (logged at the last step too)
+        after = trainer.evaluate(eval_dataset=_eval_documents(remainder=True))["eval_loss"] if more.get("eval_strategy") else None
+    return {**result, "eval_after": after}
+
+
+def _plain_trainer(*bases: type, model: Any, output_dir: str, **more: Any) -> Any:
+    """A plain Trainer whose ``compute_loss`` runs HF's model on each document alone (training: over the step's count)."""
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    class OneProcess(*bases, Trainer):  # type: ignore[misc]
         loss_is_scaled_for_ga = True  # divided by the step's count below
 
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
             ids, labels, positions = inputs["input_ids"][0], inputs["labels"][0], inputs["position_ids"][0]
             starts = torch.nonzero(positions == 0).flatten().tolist() + [ids.numel()]
-            total = torch.zeros((), dtype=torch.float64)
+            total, count = torch.zeros((), dtype=torch.float64), 0
             for start, end in zip(starts[:-1], starts[1:]):
                 logits = model(input_ids=ids[start:end][None], use_cache=False).logits[0]
                 total = total + torch.nn.functional.cross_entropy(logits[:-1], labels[start + 1: end], ignore_index=IGNORE,
                                                                   reduction="sum")
+                count += int((labels[start + 1: end] != IGNORE).sum())
+            if return_outputs:  # evaluation: this batch's own mean
+                return total / max(count, 1), (total,)
             return total / num_items_in_batch
 
-    trainer = OneProcess(model=_model(), args=_arguments(str(output_dir), PER_DEVICE, **more), train_dataset=_documents(),
-                         data_collator=DataCollatorWithFlattening())
-    with hf_oracle.lifted() if lift else contextlib.nullcontext(), hf_oracle.earlier_ties():
-        trainer.train()
-    return _result(trainer)
+    return OneProcess(model=model, args=_arguments(output_dir, PER_DEVICE, **more), train_dataset=_documents(),
+                      eval_dataset=_eval_documents(), data_collator=DataCollatorWithFlattening())
 
 
 def _one_process_cp1(output_dir: Path, **more: Any) -> dict[str, Any]:
@@ -284,7 +361,8 @@ def _single_thread(run: Any, *args: Any, **more: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _single_thread(_one_process, tmp_path_factory.mktemp("one"))
+    """The SGD oracle, evaluated inside training (steps 2 and 4) and after it."""
+    return _single_thread(_one_process, tmp_path_factory.mktemp("one"), **IN_TRAINING)
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +427,91 @@ def test_cp_trainer_with_adamw_weight_decay_equals_one_process(four_ranks: list[
     _check(got, want, 3, param_rel=ADAMW_PARAM_REL)
     moved = [not torch.equal(got["params"][n], p) for n, p in _model().named_parameters() if ".indexer." in n]
     assert moved and all(moved) if indexer == "on" else moved and not any(moved)
+
+
+@pytest.fixture(scope="module")
+def plain_evaluation(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """A plain Trainer's ``evaluate`` of the untrained model on the 12 evaluation documents (batches of 3)."""
+    trainer = _plain_trainer(model=_model(), output_dir=str(tmp_path_factory.mktemp("plain_eval")))
+    with hf_oracle.lifted(), hf_oracle.earlier_ties():
+        return float(_single_thread(lambda: {"loss": trainer.evaluate()["eval_loss"]})["loss"])
+
+
+def test_evaluation_inside_training_equals_one_process(four_ranks: list[dict[str, Any]], two_ranks: list[dict[str, Any]],
+                                                        one_process: dict[str, Any]) -> None:
+    """``eval_strategy="steps"`` (every 2 steps) at dp 1 x cp 4 (zigzag, padded) and after training at cp 2 and 4.
+
+    The oracle is a plain Trainer evaluating the same documents in batches of 3 at the same
+    steps (each batch's loss its documents' summed cross-entropy over its valid labels; HF's
+    mean over the batches, the 10-document set's last batch of one document weighted 1/10).
+    Both sides float64 with HF's casts lifted; the parameters agree to 4.9e-14 (the training
+    test), the losses of a batch to 8.9e-16 (bound 1e-12); the looped-back samples accelerate adds
+    to a last partial batch (fixed: ``even_batches`` off at dp 1) gave 2.6e-3. The training itself still equals
+    the oracle's (``test_cp_trainer_equals_one_process``): evaluating changed nothing in it.
+    """
+    got, want = four_ranks[0]["cp4"]["evals"], one_process["evals"]
+    assert [step for step, _ in got] == [step for step, _ in want] == [2, 4]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) <= EVAL_ABS, (got, want)
+    after = [r["cp4/after"]["eval_loss"] for r in four_ranks] + [r["cp2/eval"] for r in two_ranks]
+    assert len(set(after[:4])) == 1 and len(set(after[4:])) == 1  # the same value on every rank
+    assert max(abs(a - one_process["eval_after"]) for a in after) <= EVAL_ABS, (after, one_process["eval_after"])
+    assert abs(want[0][1] - want[1][1]) > 1e-4  # training moved the eval loss (9.6e-4): the comparison can fail
+
+
+def test_evaluation_leaves_the_model_untouched(four_ranks: list[dict[str, Any]]) -> None:
+    """``evaluate`` and ``predict`` after training: parameters, a gradient left in place and every training flag, bit for bit."""
+    assert all(r["cp4/after"]["untouched"] for r in four_ranks)
+
+
+def test_eval_loss_at_every_mesh_equals_a_plain_trainer(four_ranks: list[dict[str, Any]], plain_evaluation: float) -> None:
+    """dp 4 x cp 1, dp 2 x cp 2 (contiguous, allgather) and dp 1 x cp 4 (balanced, allgather): 12 documents, batches of 3.
+
+    The evaluation set is whole steps at every dp, so ``dp`` processes of a plain Trainer
+    report what one process does; every rank the same value. Bound 1e-12 (the training losses'
+    measured 8.9e-16, the same forward).
+    """
+    for key in ("fresh/cp1", "fresh/dp2cp2", "fresh/cp4"):
+        values = [r[key] for r in four_ranks]
+        assert len(set(values)) == 1, (key, values)
+        assert abs(values[0] - plain_evaluation) <= EVAL_ABS, (key, values[0], plain_evaluation)
+
+
+def test_predictions_are_each_tokens_label_log_probability(four_ranks: list[dict[str, Any]], one_process: dict[str, Any]) -> None:
+    """``predict`` at cp 4 (zigzag): per batch, each token's log-probability of its next label and its argmax, in order.
+
+    Oracle: HF's model with the oracle's trained parameters on each document alone (float64,
+    lifted casts), ``log_softmax`` of its logits at the next token. The parameters agree to
+    4.9e-14 relative (the training test); bound 1e-12 on the log-probabilities (~5); the argmax
+    equal. ``compute_metrics`` sees them (its mean log-probability).
+    """
+    from transformers import DataCollatorWithFlattening
+
+    model = _model()
+    model.load_state_dict(one_process["params"], strict=False)
+    docs = _eval_documents(remainder=True)
+    got = four_ranks[0]["cp4/after"]
+    assert all(r["cp4/after"]["metric"] == got["metric"] for r in four_ranks)
+    total, count = 0.0, 0
+    with torch.no_grad(), hf_oracle.lifted(), hf_oracle.earlier_ties():
+        for b in range(0, len(docs), EVAL_BATCH):
+            batch = DataCollatorWithFlattening()(docs[b: b + EVAL_BATCH])
+            labels, row = batch["labels"][0], b // EVAL_BATCH
+            want_lp, want_arg, want_lab = [], [], []
+            for doc in docs[b: b + EVAL_BATCH]:
+                logits = model(input_ids=torch.tensor([doc["input_ids"]]), use_cache=False).logits[0]
+                lp = torch.log_softmax(logits, dim=-1)
+                shifted = torch.tensor(doc["labels"][1:] + [IGNORE])
+                want_lab.append(shifted)
+                want_lp.append(torch.where(shifted != IGNORE, lp.gather(1, shifted.clamp(min=0)[:, None])[:, 0], 0))
+                want_arg.append(logits.argmax(-1))
+            n = labels.numel()
+            lab = torch.cat(want_lab)
+            assert torch.equal(torch.as_tensor(got["labels"][row, :n]), lab) and (got["labels"][row, n:] == IGNORE).all()
+            err = (torch.as_tensor(got["log_probs"][row, :n]) - torch.cat(want_lp)).abs().max()
+            assert err <= LOG_PROB_ABS, err
+            assert torch.equal(torch.as_tensor(got["argmax"][row, :n]), torch.cat(want_arg))
+            total, count = total + float(torch.cat(want_lp).sum()), count + int((lab != IGNORE).sum())
+    assert abs(got["metric"] - total / count) <= LOG_PROB_ABS
 
 
 def test_a_resumed_run_continues_identically(four_ranks: list[dict[str, Any]], one_process: dict[str, Any]) -> None:
