@@ -32,26 +32,35 @@ to 2e-2 by step 28, so the learning rate is 1e-3. ``--plot`` draws the curves
 (docs/fsdp2_loss.png is this script's default output). Needs ``pip install 'cpkv[transformers]'``::
 
     python examples/fsdp2_cp.py                       # 4 spawned gloo ranks, 24 steps, writes docs/fsdp2_loss.png
-    python examples/fsdp2_cp.py --steps 2 --plot ""   # what CI runs
+    python examples/fsdp2_cp.py --steps 2 --runs dp2xcp2-bf16 --plot ""   # what CI runs
     torchrun --nproc-per-node 4 examples/fsdp2_cp.py --runs dp2xcp2-bf16 --plot ""   # under torchrun
+
+The checkpoint goes into a temporary directory, removed at the end (``--checkpoint-dir DIR``
+keeps it in ``DIR``); nothing is written into the current directory. The script imports
+cpkv (and with it ``torch._dynamo``) before ``init_process_group``: see
+docs/troubleshooting.md ("A torchrun job aborts at exit").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import glob
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+import cpkv  # noqa: F401  # before init_process_group (docs/troubleshooting.md)
 
 VOCAB, TOKENS, MICRO, LR = 256, 128, 2, 1e-3  # MICRO micro-batches of TOKENS bytes per optimizer step
 RUNS = {"dp1xcp4": (1, 4, "float32"), "dp2xcp2": (2, 2, "float32"), "dp2xcp2-bf16": (2, 2, "bfloat16")}
@@ -132,10 +141,7 @@ def sharded_model(mesh: Any, dtype: str) -> tuple[Any, Any]:
     from cpkv.integrations.transformers_lm import enable_deepseek_v4_cp
 
     model = enable_deepseek_v4_cp(build_model())  # first: the attention modules get cpkv's forward
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")  # torchtitan's way; DeviceMesh has no public flatten yet
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bfloat16" else None
     options = {} if policy is None else {"mp_policy": policy}
@@ -224,12 +230,29 @@ def run_all(runs: Sequence[str], steps: int, save_at: int, directory: str) -> di
     return results
 
 
-def rank_main(rank: int, world: int, runs: Sequence[str], steps: int, save_at: int, directory: str) -> None:
-    """A spawned rank: join the gloo group, run, rank 0 writes the results."""
+@contextlib.contextmanager
+def checkpoint_dir(path: str | None) -> Iterator[str]:
+    """``path``, or a temporary directory rank 0 makes and every rank uses (one node), removed at the end."""
+    if path is not None:
+        yield path
+        return
+    made = [tempfile.mkdtemp(prefix="fsdp2_cp_checkpoint_") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(made, src=0)
+    try:
+        yield made[0]
+    finally:
+        dist.barrier()  # every rank has loaded before rank 0 removes it
+        if dist.get_rank() == 0:
+            shutil.rmtree(made[0], ignore_errors=True)
+
+
+def rank_main(rank: int, world: int, runs: Sequence[str], steps: int, save_at: int, directory: str,
+              checkpoints: str | None) -> None:
+    """A spawned rank: join the gloo group (its store in ``directory``), run, rank 0 writes the results there."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=world)
     try:
-        results = run_all(runs, steps, save_at, directory)
+        results = run_all(runs, steps, save_at, checkpoints or directory)
         if rank == 0:
             Path(directory, "results.json").write_text(json.dumps(results))
     finally:
@@ -311,16 +334,19 @@ def check(results: dict[str, Any], single: list[float], save_at: int) -> list[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps (default 24)")
-    parser.add_argument("--save-at", type=int, help="checkpoint after this many steps (default: steps - 2)")
+    parser.add_argument("--save-at", type=int, help="checkpoint after this many steps (default: max(1, steps - 2))")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="the CP runs (default all)")
     parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH", help="the loss curves' PNG ('' for none)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="where the distributed checkpoint goes and stays (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
     save_at = max(1, args.steps - 2) if args.save_at is None else args.save_at
     if args.steps < 2 or not 1 <= save_at < args.steps:
         parser.error(f"need --steps >= 2 and 1 <= --save-at < --steps, got {args.steps} and {save_at}")
-    if "RANK" in os.environ:  # under torchrun: this process is one rank; the checkpoint goes to ./fsdp2_cp_checkpoint
+    if "RANK" in os.environ:  # under torchrun: this process is one rank
         dist.init_process_group("gloo")
-        results = run_all(args.runs, args.steps, save_at, "fsdp2_cp_checkpoint")
+        with checkpoint_dir(args.checkpoint_dir) as directory:
+            results = run_all(args.runs, args.steps, save_at, directory)
         rank = dist.get_rank()
         dist.destroy_process_group()
         if rank:
@@ -337,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as directory:
             # Forked ranks share this process's imports; it has run no torch op yet, so no thread pool is forked.
             ranks = torch.multiprocessing.start_processes(
-                rank_main, args=(4, args.runs, args.steps, save_at, directory), nprocs=4, join=False, start_method="fork")
+                rank_main, args=(4, args.runs, args.steps, save_at, directory, args.checkpoint_dir), nprocs=4, join=False, start_method="fork")
             single = train_single(args.steps)  # meanwhile, the same steps in this process
             while not ranks.join():
                 pass

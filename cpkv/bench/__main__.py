@@ -1,15 +1,10 @@
 """``python -m cpkv.bench``: bytes per rank, planning time and wall time, in one run.
 
-``python -m cpkv.bench kernels``: the Triton sparse kernels' executed FLOPs and bytes per
-query row against the counted ones (:mod:`cpkv.bench.kernel_work`).
-
-Writes ``docs/benchmarks.md`` and ``docs/benchmarks.png`` (``--out``, ``--plot``) and
-prints the same tables. ``--smoke`` runs tiny sizes (used by the tests).
-``python -m cpkv.bench layouts [...]`` runs :mod:`cpkv.bench.layouts` instead (its section of
-``docs/benchmarks.md``, which this run keeps); ``python -m cpkv.bench memory [...]`` runs
-:mod:`cpkv.bench.memory_report` (the loss-memory and whole-step memory tables, its own kept section). ``python -m cpkv.bench heads`` prints the kv-heads
-table alone (:mod:`cpkv.bench.heads`: collectives, bytes and kernel calls per layer of GQA and
-MLA layers, one call per kv group before, one call per layer now).
+Prints the tables; writes nothing unless told: ``--out docs/benchmarks.md`` writes the report
+(keeping the sections of the ``layouts`` and ``memory`` runs), ``--plot docs/benchmarks.png``
+the figure. ``--smoke`` runs tiny sizes (used by the tests).
+``python -m cpkv.bench SUBCOMMAND [...]`` runs one of :data:`SUBCOMMANDS` instead (``--help``
+lists them; each has its own ``--help``).
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -243,7 +239,9 @@ def render(traffic: list[dict[str, object]], planning: tuple[float, float, float
         "# Benchmarks", "",
         f"Measured {date.today().isoformat()} by `python -m cpkv.bench` on {platform.machine()},"
         f" {torch.get_num_threads()} CPU threads, torch {torch.__version__} (a small shared machine: read ratios, not absolutes;"
-        f" load average {_load()} while running).", "",
+        f" load average {_load()} while running). Every `python -m cpkv.bench` command prints its tables and writes only"
+        " where `--out` (and `--plot`) say: this page is `--out docs/benchmarks.md --plot docs/benchmarks.png`, and each"
+        " section below names the command that rewrites it with `--out docs/benchmarks.md`.", "",
         "## Bytes received per rank per layer", "",
         f"DeepSeek-V4-Flash dimensions (hidden 4096, one shared kv head of 512, indexer keys 128, window 128, bf16),"
         f" {args.tokens_per_rank:,} tokens per rank. Counted on the real collective calls of the exchange code"
@@ -368,7 +366,8 @@ def plot(traffic: list[dict[str, object]], path: Path) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's options (``--smoke`` shrinks the sizes); the defaults are those of docs/benchmarks.md."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m cpkv.bench", description=__doc__, epilog=subcommands_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-per-rank", type=int, default=131072)
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--ratios", type=int, nargs="+", default=[0, 4, 128])
@@ -385,8 +384,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads-cp", type=int, default=8, help="cp of the kv-heads table")
     parser.add_argument("--skip-wall", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
-    parser.add_argument("--plot", type=Path, default=Path("docs/benchmarks.png"))
+    parser.add_argument("--out", type=Path, help="write the report here (e.g. docs/benchmarks.md); default: print only")
+    parser.add_argument("--plot", type=Path, help="draw the traffic figure here (e.g. docs/benchmarks.png); default: none")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens_per_rank, args.cps, args.mean_doc, args.plan_docs, args.wall_tokens = 512, [2, 3], 64, 256, 192
@@ -408,31 +407,34 @@ def kernels_main(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Measure every table, write the report (``--out``) and the plot (``--plot``); 0 on success.
+SUBCOMMANDS: tuple[tuple[str, Callable[[list[str]], int], str], ...] = (
+    ("layouts", layouts.main, "every layout's modeled cost and bytes at 1M tokens (its section of docs/benchmarks.md)"),
+    ("memory", memory_report.main, "the loss-memory and whole-step memory tables per rank (its section)"),
+    ("planning", planning_main, "every layout's planning time at 1M tokens"),
+    ("indexer", indexer_main, "the indexer's counted and executed work, launches and host syncs"),
+    ("heads", heads_main, "the kv-heads table: collectives, bytes and kernel calls per layer"),
+    ("kernels", kernels_main, "the Triton kernels' executed FLOPs and bytes per query row (needs triton)"),
+    ("mindspeed", mindspeed.main, "MindSpeed-LLM's all-gather bytes against the need exchange (docs/mindspeed.md)"),
+)
+"""``python -m cpkv.bench NAME [...]``: name, the function run on the rest of the arguments, what it prints."""
 
-    ``argv`` starting with ``layouts``: run :func:`cpkv.bench.layouts.main` on the rest (``memory``:
-    :func:`cpkv.bench.memory_report.main`); ``kernels``
-    prints the Triton kernels' executed-work model instead; ``indexer`` the indexer's counted and
-    executed work, launches and host syncs; ``heads`` the kv-heads table; ``planning`` every layout's planning
-    time at 1M tokens; ``mindspeed`` MindSpeed-LLM's all-gather bytes against cpkv's need exchange
-    (:mod:`cpkv.bench.mindspeed`, its section of docs/mindspeed.md).
+
+def subcommands_help() -> str:
+    """The ``--help`` epilog: every subcommand of :data:`SUBCOMMANDS`, a line each."""
+    width = max(len(name) for name, _, _ in SUBCOMMANDS)
+    lines = [f"  {name:<{width}}  {what}" for name, _, what in SUBCOMMANDS]
+    return "\n".join(["subcommands (python -m cpkv.bench NAME --help for each one's options):", *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every table and print the report (``--out``, ``--plot``: write it and the figure); 0 on success.
+
+    ``argv`` starting with the name of one of :data:`SUBCOMMANDS` runs that one on the rest instead.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["layouts"]:
-        return layouts.main(argv[1:])
-    if argv[:1] == ["kernels"]:
-        return kernels_main(argv[1:])
-    if argv[:1] == ["planning"]:
-        return planning_main(argv[1:])
-    if argv[:1] == ["indexer"]:
-        return indexer_main(argv[1:])
-    if argv[:1] == ["heads"]:
-        return heads_main(argv[1:])
-    if argv[:1] == ["memory"]:
-        return memory_report.main(argv[1:])
-    if argv[:1] == ["mindspeed"]:
-        return mindspeed.main(argv[1:])
+    for name, run, _ in SUBCOMMANDS:
+        if argv[:1] == [name]:
+            return run(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     traffic = traffic_table(args.tokens_per_rank, args.cps, args.ratios, args.mean_doc, Dims())
@@ -469,16 +471,18 @@ def main(argv: list[str] | None = None) -> int:
     print("load balance ...", file=sys.stderr)
     balance = balance_table(args.tokens_per_rank, sorted({2, 3, 4, 8} | set(args.cps)), args.mean_doc)
     report = render(traffic, planning, walls, args, balance, rings, scaling, memory, plans, keys, heads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if plot(traffic, args.plot):
+    if args.plot is not None and plot(traffic, args.plot):
         report += f"\n![bytes received by the busiest rank]({args.plot.name})\n"
     report += "\nGPU (CUDA backend) checks and timings: [gpu_check.md](gpu_check.md).\n"
-    old = args.out.read_text() if args.out.exists() else ""
-    for kept in (layouts.existing_section(old), memory_report.kept_section(old)):  # sections from their own runs
-        report += "\n" + kept if kept else ""
-    args.out.write_text(report)
     print(report)
-    print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if args.out is not None:
+        old = args.out.read_text() if args.out.exists() else ""
+        for kept in (layouts.existing_section(old), memory_report.kept_section(old)):  # sections from their own runs
+            report += "\n" + kept if kept else ""
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
 

@@ -19,8 +19,8 @@ tokens), every layout (zigzag: documents padded to multiples of ``2*cp``) and tw
   ratio their indexer keys) visible to its queries; an entry is owned by the rank holding its
   block's last token.
 
-It writes a section of ``docs/benchmarks.md`` (between :data:`BEGIN` and :data:`END`; the main
-bench keeps it) and ``docs/layouts.png``.
+It prints its section of ``docs/benchmarks.md`` (between :data:`BEGIN` and :data:`END`; the main
+bench keeps it); ``--out docs/benchmarks.md --plot docs/layouts.png`` writes it and the figure.
 """
 
 from __future__ import annotations
@@ -481,8 +481,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plan-cps", type=int, nargs="+", default=[8, 16, 64], help="cps of the planning-time table")
     parser.add_argument("--plan-repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
-    parser.add_argument("--plot", type=Path, default=Path("docs/layouts.png"))
+    parser.add_argument("--out", type=Path, help="replace this command's section of this file (e.g. docs/benchmarks.md); default: print only")
+    parser.add_argument("--plot", type=Path, help="draw the figure here (e.g. docs/layouts.png); default: none")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens, args.cps, args.mean_doc, args.seeds, args.plan_cps, args.plan_repeats = 4096, [2, 4], 256, 2, [2, 4], 1
@@ -491,7 +491,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure, print the section, write it into ``--out`` and the figure to ``--plot``; 0 on success."""
+    """Measure and print the section; write it into ``--out`` and the figure to ``--plot`` when given; 0 on success."""
     args = parse_args(argv)
     start = time.perf_counter()
     costs = models()
@@ -504,12 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     print("planning time ...", file=sys.stderr)
     times = layout_planning_times(args.tokens, args.plan_cps, args.mean_doc, args.plan_repeats)
     section = render(rows, times, args, costs)
-    if plot(rows, args.plot):
+    if args.plot is not None and plot(rows, args.plot):
         section += f"\n![modeled cost and forward bytes per layout]({args.plot.name})\n"
     section += END + "\n"
-    old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(replace_section(old, section))
     print(section)
-    print(f"wrote the layouts section of {args.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if args.out is not None:
+        old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(replace_section(old, section))
+        print(f"wrote the layouts section of {args.out}", file=sys.stderr)
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

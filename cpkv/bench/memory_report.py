@@ -1,7 +1,7 @@
 """``python -m cpkv.bench memory``: the loss-memory table and the whole-step memory table per rank.
 
-Writes its section of ``docs/benchmarks.md`` (between :data:`BEGIN` and :data:`END`; the main
-bench keeps it) and prints it. ``--smoke`` runs tiny sizes (used by the tests).
+Prints its section of ``docs/benchmarks.md`` (between :data:`BEGIN` and :data:`END`; the main
+bench keeps it); ``--out docs/benchmarks.md`` writes it there. ``--smoke`` runs tiny sizes (used by the tests).
 
 * :mod:`cpkv.bench.loss_memory`: the chunked causal-LM loss vs whole logits, measured on CPU.
 * :mod:`cpkv.bench.step_memory`: one rank's memory of a whole DeepSeek-V4 training step at 1M
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cps", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--world", type=int, default=256, help="ranks FSDP2 shards the parameters and optimizer state over")
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
+    parser.add_argument("--out", type=Path, help="replace this command's section of this file (e.g. docs/benchmarks.md); default: print only")
     args = parser.parse_args(argv)
     if args.smoke:
         args.loss_tokens, args.loss_vocabs, args.full_max_gib = [512], [2048], 1.0
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure and count, print the section and write it into ``--out``; 0 on success."""
+    """Measure and count, print the section and write it into ``--out`` when given; 0 on success."""
     args = parse_args(argv)
     start = time.perf_counter()
     print("loss memory ...", file=sys.stderr)
@@ -66,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
              *reading_lines(step_rows), *eval_memory_lines(eval_rows, args.tokens, args.world),
              *counter_check_lines(checks), END]
     section = "\n".join(lines) + "\n"
-    old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(replace_section(old, section, begin=BEGIN, end=END))
     print(section)
-    print(f"wrote the memory section of {args.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if args.out is not None:
+        old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(replace_section(old, section, begin=BEGIN, end=END))
+        print(f"wrote the memory section of {args.out}", file=sys.stderr)
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
 

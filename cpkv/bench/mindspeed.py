@@ -14,7 +14,8 @@ compressor-input halo, compressed entries and, at ratio 4, the indexer keys in f
 
 Forward only: MindSpeed detaches the compressed kv and the indexer's input, so its compressor
 gathers have no backward, while cpkv's need exchange returns each gradient along its route.
-Writes its section of ``docs/mindspeed.md`` (between :data:`BEGIN` and :data:`END`).
+Prints its section of ``docs/mindspeed.md`` (between :data:`BEGIN` and :data:`END`); ``--out
+docs/mindspeed.md`` writes it there.
 """
 
 from __future__ import annotations
@@ -90,20 +91,22 @@ def section(rows: list[dict[str, object]], tokens_per_rank: int, mean_doc: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Count both schemes, print the section and write it into ``--out``; 0 on success."""
+    """Count both schemes, print the section and write it into ``--out`` when given; 0 on success."""
     parser = argparse.ArgumentParser(prog="python -m cpkv.bench mindspeed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-per-rank", type=int, default=131072)
     parser.add_argument("--cps", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--mean-doc", type=int, default=8192)
-    parser.add_argument("--out", type=Path, default=Path("docs/mindspeed.md"))
+    parser.add_argument("--out", type=Path, help="replace this command's section of this file (e.g. docs/mindspeed.md); default: print only")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens_per_rank, args.cps, args.mean_doc = 512, [2, 3], 64
     text = section(bytes_table(args.tokens_per_rank, args.cps, args.mean_doc, Dims()), args.tokens_per_rank, args.mean_doc)
     print(text)
-    if args.out.exists():
+    if args.out is None:
+        pass
+    elif args.out.exists():
         args.out.write_text(replace_section(args.out.read_text(encoding="utf-8"), text, begin=BEGIN, end=END), encoding="utf-8")
     else:
         print(f"{args.out} does not exist: nothing written", file=sys.stderr)

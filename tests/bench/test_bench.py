@@ -172,3 +172,37 @@ def test_kv_heads_move_in_one_collective_and_one_kernel_call(exchange: str) -> N
     after = layer_calls(case, cu, 2, 1, exchange, per_group=False, window=16)  # type: ignore[arg-type]
     assert (after.collectives, after.kernels) == (2, 1) and (before.collectives, before.kernels) == (8, 4)
     assert before.bytes == after.bytes > 0
+
+
+def test_help_lists_every_subcommand_the_docs_run(capsys: Any) -> None:
+    """``python -m cpkv.bench --help`` names every subcommand, and every ``python -m cpkv.bench NAME`` of the docs is one."""
+    import re
+
+    from cpkv.bench.__main__ import SUBCOMMANDS
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [name for name, _, _ in SUBCOMMANDS]
+    listed = [line.split()[0] for line in lines[lines.index(next(x for x in lines if x.startswith("subcommands"))) + 1:] if line.strip()]
+    assert listed == names
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", root / "examples" / "README.md", *sorted((root / "docs").glob("*.md"))]
+    run = {name for page in pages for name in re.findall(r"python -m cpkv\.bench ([a-z]\w*)", page.read_text())}
+    assert run and run <= set(names), run - set(names)
+
+
+@pytest.mark.timeout(120)
+def test_runs_without_out_write_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """Every command's ``--out`` / ``--plot`` default to none, and smoke runs in an empty directory leave it empty."""
+    from cpkv.bench import layouts, memory_report
+    from cpkv.bench.__main__ import parse_args
+
+    for args in (parse_args([]), layouts.parse_args([]), memory_report.parse_args([])):
+        assert args.out is None and getattr(args, "plot", None) is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()  # where the old defaults wrote
+    assert main(["mindspeed", "--smoke"]) == 0 and main(["layouts", "--smoke"]) == 0
+    assert "## " in capsys.readouterr().out  # the tables were printed
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")] == ["docs"]

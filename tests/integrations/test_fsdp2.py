@@ -97,10 +97,7 @@ def _sharded(model: Any, mesh: Any, *, mp: Any = None, checkpointing: bool = Fal
 
     enable_deepseek_v4_cp(model)
     if checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     options = {} if mp is None else {"mp_policy": mp}
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, **options)

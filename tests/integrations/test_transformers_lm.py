@@ -219,10 +219,7 @@ def _ddp_case(model: Any, group: Any, batch: dict[str, Any]) -> dict[str, Any]:
 def _checkpoint_case(model: Any, group: Any, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     """Activation checkpointing (non-reentrant): two micro-batches' forwards, then one backward."""
     model.train()
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     outs = [_run(model, first, group, layout="contiguous", exchange="allgather", indexer_loss=True),
             _run(model, second, group, layout="contiguous", exchange="need", indexer_loss=True)]
     (outs[0].loss + outs[1].loss).backward()
