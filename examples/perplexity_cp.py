@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import cpkv  # noqa: F401  # before init_process_group (docs/troubleshooting.md)
+
 VOCAB, HF_MAX, CP_TOL, HF_TOL = 256, 8192, 1e-10, 1e-3
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_causal_lm_cp's model, in the spawned ranks too
 

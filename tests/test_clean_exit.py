@@ -129,3 +129,34 @@ def test_two_rank_jobs_exit_cleanly_after_destroy_process_group() -> None:
             elif rank == 1 and "gloo threads" in out and "[]" not in out:
                 failures.append(f"run {run} rank 1: {out.strip()} (the process group outlived destroy_process_group)")
     assert not failures, f"{len(failures)} of {2 * RUNS} rank exits failed:\n" + "\n".join(failures)
+
+
+def _texts_that_start_a_group() -> list[tuple[str, str]]:
+    """Every example script, notebook (its code cells in order) and ```python block of the docs that calls init_process_group."""
+    import json
+    import re
+
+    texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "examples").glob("*.py"))]
+    for notebook in sorted((ROOT / "examples").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        texts.append((str(notebook.relative_to(ROOT)), "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")))
+    for page in [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)):
+            texts.append((f"{page.relative_to(ROOT)} block {index}", block))
+    return [(name, text) for name, text in texts if "init_process_group(" in text]
+
+
+def test_every_example_and_doc_block_imports_cpkv_before_init_process_group() -> None:
+    """cpkv (so torch.distributed.nn) is imported at the top, before the first init_process_group (docs/troubleshooting.md).
+
+    Except the troubleshooting page's reproduction of the abort, which imports ``torch._dynamo`` late on purpose.
+    """
+    import re
+
+    texts = _texts_that_start_a_group()
+    late = []
+    for name, text in texts:
+        top = re.search(r"^(import cpkv|from cpkv[\w.]* import)", text, flags=re.M)
+        if "repro_abort.py" not in text and (top is None or top.start() > text.index("init_process_group(")):
+            late.append(name)
+    assert len(texts) >= 10 and not late, late
