@@ -274,3 +274,14 @@ def test_spec_window_default_is_the_documented_one() -> None:
 
     default = {f.name: f.default for f in dataclasses.fields(AttentionSpec)}["window"]
     assert default is None and "`AttentionSpec.window`, whose default is `None`: dense causal" in _read("docs/semantics.md")
+
+
+def test_the_version_is_the_newest_changelog_release() -> None:
+    """pyproject.toml, ``cpkv.__version__`` and the CHANGELOG's newest dated release name one version."""
+    import tomllib
+
+    import cpkv
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
+    assert version == cpkv.__version__ == releases[0], (version, cpkv.__version__, releases[:2])
