@@ -415,6 +415,28 @@ def test_fused_indexer_kl_matches_reference() -> None:
     assert_kl_matches(got, _kl_grads(indexer_kl_op, inputs, 0.375))
 
 
+@pytest.mark.parametrize(("lengths", "topk"), [([1] * 20, 3), ([200, 8], 40), ([200, 8], 1), (LENGTHS, 2)])
+def test_fused_indexer_kl_matches_reference_across_shapes(lengths: list[int], topk: int) -> None:
+    """One-token documents, long fronts with K above every count, K = 1 (every row full or empty), K = 2."""
+    inputs = _kl_inputs(lengths=lengths, topk=topk)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no row falls back
+        got = _kl_grads(_backend().indexer_kl, inputs, 1.5)
+    assert_kl_matches(got, _kl_grads(indexer_kl_op, inputs, 1.5))
+
+
+def test_kl_plan_edges_and_errors() -> None:
+    empty = fused_module.indexer_kl_plan(torch.full((5, 4), -1), 30)
+    assert empty.calls == [] and empty.fallback_rows.numel() == 0  # nothing selected: no call, no term
+    mixed = fused_module.indexer_kl_plan(torch.tensor([[0, -1], [1, 2], [-1, -1], [-1, 4]]), 30)
+    assert [c.cu_seqlens_q.tolist() for c in mixed.calls] == [[0, 1, 2, 3]]  # one full batch, two one-row chains
+    assert [c.cu_seqlens_k.tolist() for c in mixed.calls] == [[0, 30, 31, 32]]  # all keys (no padding for one row)
+    assert mixed.calls[0].key_rows.tolist() == [*range(30), 0, 4]  # the chains' keys: [0, 1) and [4, 5)
+    assert mixed.calls[0].indices[:, 0].tolist() == [[1, 2], [0, -1], [0, -1]]  # relative to each batch
+    with pytest.raises(ValueError, match=r"selected must be \[T, K\]"):
+        fused_module.indexer_kl_plan(torch.zeros(3, dtype=torch.int64), 30)
+
+
 def test_fused_indexer_kl_calls_have_at_most_256_batches() -> None:
     """150 short documents: ~4 chains each, more than 256 batches: several calls (the stand-in refuses more)."""
     inputs = _kl_inputs(lengths=[9, 13] * 75)
