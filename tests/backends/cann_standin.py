@@ -31,6 +31,9 @@ documented with the reference ops in the inputs' dtype (float64 in the tests):
   columns (no -1 mask), ``p`` read over the same columns, ``dI = y * sum(p) - p`` chained to ``dq, dw``
   and ``dk`` (scattered by the slot's index, -1 skipped); returns ``y`` as ``softmax_out``. So a row
   is right only when its first ``kRealSize`` slots are exactly its valid selections;
+* the arch22 CSA forward (``sparse_flash_mla_csa_block_vector.h``, ``ProcessVec0L``) gathers the
+  first ``min(K, cthr)`` index slots the same way, stopping at the first -1, and softmaxes over
+  all those columns: the columns left over hold stale rows (zero rows here), the backward too;
 * the arch22 CSA forward with several heads (``sparse_flash_mla_csa_kernel.h``, ``CalcParams``):
   compressed index slots are gathered 512 at a time from ``v0S2Start``, which is 512 only for the
   second block when it is the last one, else 0: past 1024 the first 512 indices are read again;
@@ -53,6 +56,7 @@ from cpkv.backends import reference
 UNSET: Any = object()
 KL_MAX_BATCHES = 256  # sparse_lightning_indexer_kl_loss_grad on A2/A3: B in 1..256 (torch API doc)
 CSA_BLOCK = 512  # sparse_flash_mla's arch22 CSA kernel gathers compressed rows 512 index slots at a time
+STALE = -2  # _rows: a column whose row the kernel did not gather (its workspace holds an earlier row)
 
 
 def require(condition: bool, message: str) -> None:
@@ -239,10 +243,16 @@ class StandInCannOps:
                 block = torch.div(slots, CSA_BLOCK, rounding_mode="floor")
                 straight = (block[None] == 0) | ((block[None] == 1) & (blocks[:, None] == 2))
                 rel = rel.gather(1, torch.where(straight, slots[None], (slots % CSA_BLOCK)[None]).expand_as(rel))
+            real = torch.minimum(cthr, torch.full_like(cthr, rel.shape[1]))  # the kernel's columns: min(K, cthr)
             first_pad = torch.where(rel < 0, slots, rel.shape[1]).min(dim=1).values
-            keep = (slots < torch.minimum(cthr, first_pad)[:, None]) & (rel >= 0) & (rel < cthr[:, None])
-            cmp = torch.where(keep, cmp_start[:, None] + rel, -1)
-        return torch.cat([ori, cmp], dim=1)
+            keep = (slots < torch.minimum(real, first_pad)[:, None]) & (rel >= 0) & (rel < cthr[:, None])
+            # ProcessVec0L stops gathering at the first -1 (and skips rows >= cthr): the columns left up to
+            # min(K, cthr) hold stale rows, still in the softmax (a zero row here, index STALE)
+            stale = slots < (real - keep.sum(1))[:, None]
+            cmp = torch.cat([torch.where(keep, cmp_start[:, None] + rel, -1), torch.where(stale, STALE, -1)], dim=1)
+        rows = torch.cat([ori, cmp], dim=1)
+        total = kw["ori_kv"].shape[0] + kw["cmp_kv"].shape[0]
+        return torch.where(rows == STALE, total, rows)  # the zero row appended after ori_kv and cmp_kv
 
     def sparse_flash_mla(
         self, q: Tensor, *, ori_kv: Tensor | None = None, cmp_kv: Tensor | None = None, ori_sparse_indices: Tensor | None = None,
@@ -262,6 +272,7 @@ class StandInCannOps:
         assert ori_kv is not None and sinks is not None
         kv = ori_kv[:, 0] if cmp_kv is None else torch.cat([ori_kv, cmp_kv])[:, 0]
         rows = self._rows(q, kw, parsed, reread=True)
+        kv = torch.cat([kv, kv.new_zeros(1, kv.shape[1])])  # row kv.shape[0]: a stale row (_rows)
         out, lse = reference.sparse_attention(q, kv, rows, d_v=q.shape[-1], scale=softmax_scale, sinks=sinks)
         return out, lse.float()[None]
 

@@ -334,6 +334,16 @@ def test_mutation_minus_one_inside_a_valid_range_is_caught(monkeypatch: pytest.M
     monkeypatch.setattr(fused_module, "relative_indices", lambda sel, first: original(_drop_one(sel), first))
     with pytest.raises(RuntimeError, match="index-count invariant"):
         _forward(_backend(), True, False)
+    # without the check, the strict stand-in still catches it: the kernel softmaxes over min(K, visible) columns,
+    # those past the first -1 holding stale rows
+    monkeypatch.setattr(fused_module, "check_index_count", lambda indices, count, out: out)
+    layer, q, kv, indices, sinks = _layer(True, False)
+    assert layer.selected is not None
+    got = _forward(_backend(), True, False)
+    listed = torch.cat([indices[:, : indices.shape[1] - TOPK], torch.where(_drop_one(layer.selected) >= 0,
+                                                                           _drop_one(layer.selected) + layer.num_kv, -1)], 1)
+    dropped = ReferenceBackend().sparse_attention(q, kv, listed, d_v=D_V, scale=SCALE, sinks=sinks)
+    assert not torch.allclose(got, torch.cat([dropped.out.flatten(1), dropped.lse.double()], dim=1), rtol=1e-5, atol=1e-6)
 
 
 def test_index_count_check_poisons_without_a_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
