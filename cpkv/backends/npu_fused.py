@@ -325,11 +325,13 @@ class KLPlan(NamedTuple):
             selections first (the order of ``KLCall.indices`` and of the target passed).
         fallback_rows: ``[f]`` int64 rows whose selections the op cannot take on its own
             terms (fewer than ``K`` valid, not one contiguous block of entries): the composed KL.
+        mask_mode: the op's ``mask_mode`` (3: what the batches are built for).
     """
 
     calls: list[KLCall]
     order: Tensor
     fallback_rows: Tensor
+    mask_mode: int = KL_MASK_MODE
 
 
 def _group_calls(sizes: list[tuple[int, int, int, int]], max_queries: int, max_batches: int) -> list[tuple[int, int]]:
@@ -452,7 +454,7 @@ class _FusedIndexerKL(torch.autograd.Function):
         topk = plan.order.shape[1]
         for call in plan.calls:
             common: dict[str, Any] = {"cu_seqlens_q": call.cu_seqlens_q, "cu_seqlens_k": call.cu_seqlens_k,
-                                      "layout_q": "TND", "layout_k": "TND", "mask_mode": KL_MASK_MODE, "cmp_ratio": 1}
+                                      "layout_q": "TND", "layout_k": "TND", "mask_mode": plan.mask_mode, "cmp_ratio": 1}
             metadata = ops.sparse_lightning_indexer_kl_loss_grad_metadata(
                 q_index.shape[1], 1, q_index.shape[2], batch_size=int(call.cu_seqlens_q.shape[0]) - 1,
                 max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, topk=topk, **common,

@@ -37,6 +37,7 @@ from cpkv.plan.prefix import compute_prefix_kv_cu_seqlens
 from cpkv.plan.segments import plan_segments
 from cpkv.plan.sharding import contiguous_shard_range
 from tests.backends.cann_standin import StandInCannOps
+from tests.backends.former_kl import former_kl_plan
 from tests.backends.test_npu_contract import StandInTorchNPU
 
 LENGTHS = [5, 0, 37, 3, 2, 60, 21, 0, 1, 15]  # 144 tokens
@@ -497,16 +498,6 @@ def test_rows_breaking_the_invariant_take_the_composed_kl_with_one_warning() -> 
     assert_kl_matches(got, _kl_grads(indexer_kl_op, inputs, 0.5))
 
 
-def _main_plan(selected: Tensor, num_keys: int, **_: Any) -> fused_module.KLPlan:
-    """cpkv's call before issue 46: every row in one batch over all keys, absolute rows (with mask_mode 0)."""
-    order = (selected < 0).to(torch.int8).argsort(dim=1, stable=True)
-    rows = torch.arange(selected.shape[0])
-    indices = selected.long().gather(1, order).to(torch.int32).unsqueeze(1)
-    cu_q, cu_k = torch.tensor([0, selected.shape[0]], dtype=torch.int32), torch.tensor([0, num_keys], dtype=torch.int32)
-    call = fused_module.KLCall(rows, torch.arange(num_keys), indices, cu_q, cu_k, selected.shape[0], num_keys)
-    return fused_module.KLPlan([call], order, rows[:0])
-
-
 PLAN = fused_module.indexer_kl_plan
 
 
@@ -521,9 +512,9 @@ def _mid_range_minus_one(selected: Tensor, num_keys: int, **kw: Any) -> fused_mo
     return plan._replace(calls=calls)
 
 
-KL_MUTATIONS: dict[str, tuple[Callable[..., fused_module.KLPlan], int]] = {  # (the plan, the mask mode)
-    "main's call (one batch, mode 0)": (_main_plan, 0),
-    "mode 0 instead of 3": (PLAN, 0),
+KL_MUTATIONS: dict[str, tuple[Callable[..., fused_module.KLPlan], int]] = {  # (the plan, the mode it uses)
+    "main's call (one batch, mode 0)": (former_kl_plan, 0),
+    "mode 0 instead of 3": (lambda s, n, **kw: PLAN(s, n)._replace(mask_mode=0), 0),
     "-1 inside a valid range": (_mid_range_minus_one, 3),
     "more than 256 batches a call": (lambda s, n, **kw: PLAN(s, n, max_batches=300), 3),
 }
@@ -535,8 +526,8 @@ def test_kl_mutation_is_caught(monkeypatch: pytest.MonkeyPatch, name: str) -> No
     inputs = _kl_inputs(lengths=[9, 13] * 75 if "256" in name else None)
     want = _kl_grads(indexer_kl_op, inputs, 1.0)
     plan, mode = KL_MUTATIONS[name]
+    assert plan(inputs[3], inputs[1].shape[0]).mask_mode == mode
     monkeypatch.setattr(npu_module, "indexer_kl_plan", plan)
-    monkeypatch.setattr(fused_module, "KL_MASK_MODE", mode)
     try:
         got = _kl_grads(_backend().indexer_kl, inputs, 1.0)
     except AssertionError as err:
