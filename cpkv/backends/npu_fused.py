@@ -374,10 +374,16 @@ def indexer_kl_plan(selected: Tensor, num_keys: int, *, max_queries: int = KL_MA
         num_keys: ``N_c``, the number of indexer keys.
         max_queries, max_batches: per call (A2/A3: ``S1 <= 8192``, ``B <= 256``).
 
-    One host read (the batch sizes). Raises ValueError for ``selected`` not 2-D.
+    Host reads: the numbers of rows of each kind and the batch sizes (the op takes host-sized
+    calls; the KL runs in the forward).
+
+    Raises:
+        ValueError: ``selected`` not 2-D, ``max_queries`` or ``max_batches`` below 1.
     """
     if selected.dim() != 2:
         raise ValueError(f"selected must be [T, K], got shape {tuple(selected.shape)}")
+    if max_queries < 1 or max_batches < 1:
+        raise ValueError(f"max_queries and max_batches must be >= 1, got {max_queries}, {max_batches}")
     device, (num_rows, topk) = selected.device, selected.shape
     rows_long = selected.long()
     valid = rows_long >= 0

@@ -446,6 +446,8 @@ def test_kl_plan_edges_and_errors() -> None:
     assert mixed.calls[0].indices[:, 0].tolist() == [[1, 2], [0, -1], [0, -1]]  # relative to each batch
     with pytest.raises(ValueError, match=r"selected must be \[T, K\]"):
         fused_module.indexer_kl_plan(torch.zeros(3, dtype=torch.int64), 30)
+    with pytest.raises(ValueError, match="max_batches must be >= 1"):
+        fused_module.indexer_kl_plan(torch.zeros(3, 2, dtype=torch.int64), 30, max_batches=0)
 
 
 def test_fused_indexer_kl_calls_have_at_most_256_batches() -> None:
