@@ -4,6 +4,13 @@
 For an Ascend machine with torch, torch_npu and CANN installed (cpkv need not be
 installed: the repository root is put on ``sys.path``; no network). One NPU.
 
+0. First, when CANN's custom ops import: the points docs/backends.md reads in the fused
+   kernels' sources ("NPU fused path: the kernels read", issue 46;
+   ``benchmarks/npu_kernel_reads.py``): the indexer KL op on cpkv's ``mask_mode=3`` batches
+   against the composed KL (and cpkv's former ``mask_mode=0`` call, expected to differ), the
+   CSA kernel at ``K = 1024`` and ``2048`` with 16 heads, the grad under deterministic
+   algorithms (and the KL op under them), the grad with ``metadata=None``, ``-inf`` sinks.
+   A property cpkv relies on failing fails the run; a reading refuted is reported.
 1. Correctness, single rank (an in-process 1-rank HCCL group): the V4-style layer in every
    compress mode, forward and backward, bf16 through ``NPUBackend()`` and through the
    reference backend on the NPU, both against an fp64 reference run on the CPU. Pass:
@@ -61,6 +68,7 @@ from cpkv.backends.npu import MASK_SIZE, NPUBackend  # noqa: E402
 from cpkv.collectives import Group  # noqa: E402
 from cpkv.v4 import V4Config  # noqa: E402
 from device_common import compare, run_layer, visible_pairs  # noqa: E402
+from npu_kernel_reads import kernel_read_checks  # noqa: E402
 
 _SMALL = {"hidden": 512, "heads": 8, "head_dim": 128, "rope_dim": 64, "window": 128}
 _MLA = {"hidden": 512, "heads": 16, "head_dim": 576, "rope_dim": 64, "window": 128, "index_heads": 8, "index_head_dim": 128}
@@ -239,7 +247,11 @@ def main() -> int:
         dist.init_process_group("hccl", store=store, rank=0, world_size=1)
         try:
             fused = NPUBackend().attention_path == "fused"  # cann_ops_transformer imports
+            reads, reads_ok = (kernel_read_checks(importlib.import_module("cann_ops_transformer.ops"), device) if fused
+                               else (["skipped: cann_ops_transformer does not import"], True))
+            print(f"kernel reads: {'PASS' if reads_ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
             rows, ok = check_correctness(device, dist.new_group([0], backend="gloo"), fused)
+            ok &= reads_ok
             print(f"correctness: {'PASS' if ok else 'FAIL'} ({time.monotonic() - started:.0f} s)", flush=True)
             for local, rank, heads, window in [] if args.skip_bench else BENCH[:2] if args.quick else BENCH:
                 if time.monotonic() - started > args.max_seconds:
@@ -257,7 +269,8 @@ def main() -> int:
             dist.destroy_process_group()
     name = torch.npu.get_device_name(0)  # type: ignore[attr-defined]
     header = f"# cpkv npu_check\n\n{datetime.date.today()} on {name}, torch {torch.__version__}, torch_npu {torch_npu.__version__}\n"
-    text = "\n".join([header, f"## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
+    text = "\n".join([header, f"## The fused kernels as read (docs/backends.md, issue 46): {'PASS' if reads_ok else 'FAIL'}\n",
+                      *reads, f"\n## Correctness (bf16 vs fp64): {'PASS' if ok else 'FAIL'}\n", *rows,
                       "\n## Varlen attention as attention_forward calls it vs bare npu_fusion_attention (bf16, D=128, MQA)\n", *bench,
                       "\n## One compressed layer's attention: fused sparse_flash_mla vs composed vs reference (bf16, D=512, W=128)\n",
                       *(fused_bench if fused else ["skipped: cann_ops_transformer does not import (composed path only)"]), ""])

@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from cpkv.backends.base import AttentionResult, CompressedLayer, CompressedResult, KeyRanges
-from cpkv.backends.npu_fused import fused_indexer_kl, fused_limit_reason, kl_limit_reason, sparse_flash_mla
+from cpkv.backends.npu_fused import fused_indexer_kl, fused_limit_reason, indexer_kl_plan, kl_limit_reason, sparse_flash_mla
 from cpkv.backends.reference import ReferenceBackend
 from cpkv.plan.segments import EntryVisibility, SegmentPlan
 
@@ -203,9 +203,11 @@ class NPUBackend:
             stand-in; default: imported here unless ``fused=False``.
         fused: the attention path (:attr:`attention_path`): ``None`` fused when the custom
             ops import, else composed; ``True`` fused or ``RuntimeError``; ``False`` composed.
-        kernel_limits: use the fused ops only within their documented A2/A3 limits (D=512,
-            window 128, ratios 4/128, ...), the composed path elsewhere (one warning per
-            reason); False passes every shape (stand-ins, newer CANN).
+        kernel_limits: use the fused ops only within their A2/A3 limits (D=512, window 128,
+            ratios 4/128, top-k <= 1024 with several heads, no fused grad under
+            ``torch.use_deterministic_algorithms(True)``, ...): with ``fused=None`` a layer
+            outside them takes the composed path (one warning per reason), with ``fused=True``
+            it raises ``ValueError``; False passes every shape (stand-ins, newer CANN).
 
     Raises:
         RuntimeError: torch_npu cannot be imported (it needs Ascend's CANN), or ``fused=True``
@@ -230,6 +232,7 @@ class NPUBackend:
                     raise
         self._npu = torch_npu_module
         self._fused = fused_ops_module if fused is not False else None
+        self._require_fused = fused is True
         self._check_dtypes = check_dtypes
         self._kernel_limits = kernel_limits
         self._reference = ReferenceBackend(block_size)
@@ -238,8 +241,9 @@ class NPUBackend:
 
     @property
     def attention_path(self) -> str:
-        """``"fused"`` (``sparse_flash_mla``: one call per compressed layer; the indexer KL on its grad op) or
-        ``"composed"`` (``npu_sparse_flash_attention``, reference KL), fixed at construction."""
+        """``"fused"`` (``sparse_flash_mla``: one call per compressed layer; the indexer KL on its grad op, in
+        batches on which it is exact, rows breaking the index-count invariant on the composed KL with a
+        warning) or ``"composed"`` (``npu_sparse_flash_attention``, reference KL), fixed at construction."""
         return "composed" if self._fused is None else "fused"
 
     def _fallback(self, reason: str | None, to: str = "the reference") -> bool:
@@ -414,14 +418,27 @@ class NPUBackend:
     ) -> tuple[Tensor, Tensor]:
         """``(loss, anchor)`` of ``cpkv::indexer_kl`` (contract: :func:`cpkv.indexer_loss.indexer_kl_op`).
 
-        Fused path: ``sparse_lightning_indexer_kl_loss_grad`` (:func:`~cpkv.backends.npu_fused.fused_indexer_kl`),
-        within its limits (D_I=128, H_I in 8..64, K in 512..8192, fp16/bf16); else, and on the
-        composed path, the reference op on the device tensors.
+        Fused path: ``sparse_lightning_indexer_kl_loss_grad`` (:func:`~cpkv.backends.npu_fused.fused_indexer_kl`,
+        ``mask_mode=3`` over the batches of :func:`~cpkv.backends.npu_fused.indexer_kl_plan`), within its
+        limits (D_I=128, H_I in 8..64, K in 512..8192, fp16/bf16); rows whose selections break the
+        index-count invariant (fewer than K, not one block of a document's first entries) take the
+        reference op, with one warning. Outside the limits, and on the composed path, the reference
+        op on the device tensors.
         """
         if self._fused is not None and selected.shape[0] > 0:
             reason = kl_limit_reason(q_index, selected, self._check_dtypes) if self._kernel_limits else None
             if not self._fallback(reason):
-                return fused_indexer_kl(self._fused, q_index, k_index, weights, selected, target, grad_factor)
+                plan = indexer_kl_plan(selected, k_index.shape[0])
+                loss, anchor = fused_indexer_kl(self._fused, q_index, k_index, weights, target, plan, grad_factor)
+                if plan.fallback_rows.numel() and self._fallback(
+                        "rows whose selections break the index-count invariant (fewer than K entries that are not a "
+                        "document's first ones: sparse_lightning_indexer_kl_loss_grad would read stale rows)",
+                        to="the composed KL"):
+                    rows = plan.fallback_rows
+                    rest = self._reference.indexer_kl(q_index[rows], k_index, weights[rows], selected[rows], target[rows],
+                                                      grad_factor)
+                    loss, anchor = loss + rest[0], anchor + rest[1]
+                return loss, anchor
         return self._reference.indexer_kl(q_index, k_index, weights, selected, target, grad_factor)
 
     def compressed_attention(
@@ -443,7 +460,11 @@ class NPUBackend:
         """
         if self._fused is None or q.shape[0] == 0:
             return self._composed(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks, probs_from=probs_from)
-        reason = fused_limit_reason(q, layer, self._check_dtypes) if self._kernel_limits else None
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+        reason = fused_limit_reason(q, layer, self._check_dtypes, needs_grad=needs_grad) if self._kernel_limits else None
+        if reason is not None and self._require_fused:
+            raise ValueError(f"NPUBackend(fused=True) cannot serve this layer on the fused path: {reason}; "
+                             "use fused=None to take the composed path there")
         if self._fallback(reason, to="the composed path"):
             return self._composed(q, kv, indices, d_v=d_v, scale=scale, sinks=sinks, probs_from=probs_from)
         out, lse = sparse_flash_mla(self._fused, q, kv, layer, scale=scale, sinks=sinks)

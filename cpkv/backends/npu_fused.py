@@ -25,9 +25,18 @@ convention as MindSpeed-LLM's ``npu_sparse_flash_mla`` uses it. cpkv's marshalli
 * ``sinks``: fp32 ``[H]`` (required by the ops; ``-inf`` when the layer has none).
 * The metadata calls get exactly the main calls' arguments; LSE ``[1, T, H]`` -> ``[T, H]``.
 
-The indexer KL (:func:`fused_indexer_kl`): ``sparse_lightning_indexer_kl_loss_grad`` over one
-batch with ``mask_mode=0`` (the selection is already causal, rows are absolute entry rows),
-called in the forward; its gradients, times ``grad_factor``, are the backward.
+The indexer KL (:func:`fused_indexer_kl`): ``sparse_lightning_indexer_kl_loss_grad`` with
+``mask_mode=3``, ``cmp_ratio=1`` and no residual, over batches built from the selections
+themselves (:func:`indexer_kl_plan`): the op reads ``kRealSize = min(K, S2 - S1 + i + 1)``
+index slots, softmaxes over all of them and gathers keys only up to the first -1, so every
+row must list exactly ``kRealSize`` valid entries. A row with ``K`` of them goes into a batch
+over all keys (zero padding rows lift the threshold); a row with ``n < K``, which selects a
+document's first ``n`` visible entries ``[s, s + n)``, into a chain of consecutive counts over
+keys ``[s, s + n_last)``. At most 256 batches and 8192 queries a call. Rows breaking the
+invariant fall back to the composed KL (the backend warns). Called in the forward; its
+gradients, times ``grad_factor``, are the backward. (cpkv's first version passed one batch
+with ``mask_mode=0``: ``kRealSize = min(K, N_c)`` then polluted every row with fewer than
+``K`` selections; issue 46.)
 """
 
 from __future__ import annotations
@@ -40,8 +49,8 @@ from torch import Tensor
 from cpkv.backends.base import CompressedLayer
 
 __all__ = [
-    "FusedArgs", "entry_gather", "fused_arguments", "fused_indexer_kl", "fused_limit_reason", "kl_limit_reason", "relative_indices",
-    "sparse_flash_mla",
+    "FusedArgs", "KLCall", "KLPlan", "check_index_count", "entry_gather", "fused_arguments", "fused_indexer_kl",
+    "fused_limit_reason", "index_count_ok", "indexer_kl_plan", "kl_limit_reason", "relative_indices", "sparse_flash_mla",
 ]
 
 FUSED_HEAD_DIM = 512
@@ -49,10 +58,13 @@ FUSED_WINDOW = 128
 FUSED_RATIOS = {"CSA": 4, "HCA": 128}
 FUSED_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 FUSED_MAX_TOPK = 8192
+FUSED_MAX_TOPK_MULTIHEAD = 1024
 KL_HEAD_DIM = 128
 KL_HEADS = (8, 16, 32, 64)
 KL_TOPKS = (512, 1024, 2048, 4096, 8192)
 KL_MAX_QUERIES = 8192
+KL_MAX_BATCHES = 256
+KL_MASK_MODE = 3  # rightDownCausal with cmp_ratio 1: the batches of indexer_kl_plan make it exact
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -154,8 +166,16 @@ def fused_arguments(layer: CompressedLayer) -> FusedArgs:
     )
 
 
-def fused_limit_reason(q: Tensor, layer: CompressedLayer, check_dtypes: bool) -> str | None:
-    """Why the A2/A3 ``sparse_flash_mla`` cannot serve this layer (its documented limits), or None."""
+def fused_limit_reason(q: Tensor, layer: CompressedLayer, check_dtypes: bool, *, needs_grad: bool = False) -> str | None:
+    """Why the A2/A3 ``sparse_flash_mla`` (and its grad) cannot serve this layer, or None.
+
+    Its documented limits (dtype, D=512, H a power of two <= 128, window 128, ratio 4/128) and
+    two the kernel sources show (docs/backends.md, "NPU fused path: the kernels read"): the
+    arch22 CSA kernel re-reads the first 512 indices past 1024 when a query has several heads
+    (``sparse_flash_mla_csa_kernel.h``, ``v0S2Start``), so ``K <= 1024`` for ``H > 1``; and
+    ``sparse_flash_mla_grad``'s tiling fails with ``deterministic == 1``, so no fused call
+    when ``needs_grad`` under ``torch.use_deterministic_algorithms(True)``.
+    """
     kind = "HCA" if layer.selected is None else "CSA"
     if check_dtypes and q.dtype not in FUSED_DTYPES:
         return f"sparse_flash_mla with dtype {q.dtype} (the kernel takes float16, bfloat16)"
@@ -163,9 +183,49 @@ def fused_limit_reason(q: Tensor, layer: CompressedLayer, check_dtypes: bool) ->
         return f"sparse_flash_mla with H={q.shape[1]}, D={q.shape[-1]} (it takes D=512, H in {FUSED_HEADS})"
     if layer.window != FUSED_WINDOW or layer.visible.ratio != FUSED_RATIOS[kind]:
         return f"sparse_flash_mla {kind} with window {layer.window}, ratio {layer.visible.ratio} (A2/A3: window 128, ratio {FUSED_RATIOS[kind]})"
-    if layer.selected is not None and layer.selected.shape[1] > FUSED_MAX_TOPK:
-        return f"sparse_flash_mla with topk {layer.selected.shape[1]} > {FUSED_MAX_TOPK}"
+    if layer.selected is not None:
+        topk = layer.selected.shape[1]
+        if topk > FUSED_MAX_TOPK:
+            return f"sparse_flash_mla with topk {topk} > {FUSED_MAX_TOPK}"
+        if topk > FUSED_MAX_TOPK_MULTIHEAD and q.shape[1] > 1:
+            return (f"sparse_flash_mla with topk {topk} > {FUSED_MAX_TOPK_MULTIHEAD} and {q.shape[1]} heads (the A2/A3 CSA "
+                    f"kernel re-reads the first 512 indices past {FUSED_MAX_TOPK_MULTIHEAD} when H > 1)")
+    if needs_grad and torch.are_deterministic_algorithms_enabled():
+        return ("sparse_flash_mla_grad under torch.use_deterministic_algorithms(True) (the A2/A3 grad tiling "
+                "refuses deterministic=1)")
     return None
+
+
+def index_count_ok(indices: Tensor, visible_count: Tensor) -> Tensor:
+    """0-d bool on ``indices``' device: every row lists exactly ``min(K, visible_count)`` entries, valid first.
+
+    The invariant both ``sparse_flash_mla`` (CSA) and the KL op rely on: they read the first
+    ``min(K, threshold)`` index slots and stop gathering at the first -1. No host sync.
+
+    Args:
+        indices: ``[T, K]`` int, -1 padded (as passed to the kernel). visible_count: ``[T]`` int
+            entries each row may see (the kernel's threshold).
+    """
+    valid = indices >= 0
+    expected = visible_count.to(valid.device).clamp(max=indices.shape[1])
+    ok = (valid.sum(1) == expected).all()
+    if indices.shape[1] > 1:
+        ok = ok & (valid[:, 1:] <= valid[:, :-1]).all()
+    return ok
+
+
+def check_index_count(selected: Tensor, visible_count: Tensor, out: Tensor) -> Tensor:
+    """``out`` unchanged when :func:`index_count_ok`, else all NaN (the status mechanism's poisoning); no host sync.
+
+    On CPU and CUDA it also asserts (``torch._assert_async``: a raise on CPU, a device-side
+    assert on CUDA) so that the failure names itself; elsewhere (NPU) the NaN output is the
+    report, caught by :class:`~cpkv.status.StepStatus`'s NaN checks or the loss.
+    """
+    ok = index_count_ok(selected, visible_count)
+    if ok.device.type in ("cpu", "cuda"):
+        torch._assert_async(ok, "cpkv: index-count invariant broken: a row of the indexer's selections lists other than "
+                                "min(K, visible) entries, or a -1 before a valid entry (docs/backends.md, NPU fused path)")
+    return out + torch.where(ok, 0.0, float("nan")).to(out.dtype)
 
 
 class _SparseFlashMLA(torch.autograd.Function):
@@ -210,7 +270,9 @@ def sparse_flash_mla(
         layer: the call's structure. scale: softmax scale. sinks: ``[H]`` or None (``-inf``).
 
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 with the sink, no gradient)``.
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 with the sink, no gradient)``. CSA: ``out``
+        is all NaN when the selections break the index-count invariant (:func:`check_index_count`;
+        on CPU and CUDA a ``RuntimeError`` names it).
     """
     args = fused_arguments(layer)
     if sinks is None:
@@ -219,6 +281,8 @@ def sparse_flash_mla(
     rows = entry_gather(layer)
     ori_kv, cmp_kv = kv[: layer.num_kv, None], (entries if rows is None else entries.index_select(0, rows))[:, None]
     out, lse = _SparseFlashMLA.apply(q.contiguous(), ori_kv, cmp_kv, sinks, ops, args, float(scale))  # type: ignore[no-untyped-call]
+    if args.cmp_sparse_indices is not None:  # what the kernel read must be what the indexer selected
+        out = check_index_count(args.cmp_sparse_indices[:, 0], layer.visible.visible_count, out)
     return out, lse
 
 
@@ -232,37 +296,187 @@ def kl_limit_reason(q_index: Tensor, selected: Tensor, check_dtypes: bool) -> st
     return None
 
 
+class KLCall(NamedTuple):
+    """One ``sparse_lightning_indexer_kl_loss_grad`` call: at most 256 batches, at most 8192 queries.
+
+    Attributes:
+        rows: ``[n]`` int64 query rows, in the call's TND order.
+        key_rows: ``[n_k]`` int64 rows of ``k_index`` forming the call's key buffer
+            (``N_c`` for the zero padding rows of a full batch).
+        indices: ``[n, 1, K]`` int32 relative to each row's batch, valid first, -1 padded.
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32, leading 0 (on the rows' device).
+        max_seqlen_q, max_seqlen_k: host ints.
+    """
+
+    rows: Tensor
+    key_rows: Tensor
+    indices: Tensor
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class KLPlan(NamedTuple):
+    """The calls of one indexer KL (:func:`indexer_kl_plan`).
+
+    Attributes:
+        calls: the op calls. order: ``[T, K]`` int64 column order putting each row's valid
+            selections first (the order of ``KLCall.indices`` and of the target passed).
+        fallback_rows: ``[f]`` int64 rows whose selections the op cannot take on its own
+            terms (fewer than ``K`` valid, not one contiguous block of entries): the composed KL.
+        mask_mode: the op's ``mask_mode`` (3: what the batches are built for).
+    """
+
+    calls: list[KLCall]
+    order: Tensor
+    fallback_rows: Tensor
+    mask_mode: int = KL_MASK_MODE
+
+
+def _group_calls(sizes: list[tuple[int, int, int, int]], max_queries: int, max_batches: int) -> list[tuple[int, int]]:
+    """Consecutive batch ranges ``[b0, b1)`` of at most ``max_batches`` batches and ``max_queries`` queries each."""
+    groups: list[tuple[int, int]] = []
+    b0, queries = 0, 0
+    for b, (num_q, _, _, _) in enumerate(sizes):
+        if b > b0 and (queries + num_q > max_queries or b - b0 == max_batches):
+            groups.append((b0, b))
+            b0, queries = b, 0
+        queries += num_q
+    if sizes:
+        groups.append((b0, len(sizes)))
+    return groups
+
+
+def indexer_kl_plan(selected: Tensor, num_keys: int, *, max_queries: int = KL_MAX_QUERIES,
+                    max_batches: int = KL_MAX_BATCHES) -> KLPlan:
+    """Batches on which ``sparse_lightning_indexer_kl_loss_grad`` (``mask_mode=3``, ``cmp_ratio=1``) is exact.
+
+    The op (arch22 ``GetS2SparseLen`` / ``GetRunInfo``) reads, for query ``i`` of a batch of
+    ``S1`` queries over ``S2`` keys, the first ``kRealSize = min(K, S2 - S1 + i + 1)`` index
+    slots (mask mode 3, ratio 1, no residual), softmaxes over all ``kRealSize`` columns and
+    gathers keys only up to the first -1: a row is computed right iff its first
+    ``kRealSize`` slots are exactly its valid selections. So:
+
+    * a row with ``K`` valid selections (full) goes into a batch over all ``N_c`` keys followed
+      by ``S1 - 1`` zero rows (never listed): ``kRealSize = K`` for each of its queries;
+    * a row with ``0 < n < K`` valid selections that are one contiguous block of entries
+      ``[s, s + n)`` (what a top-k over a document's first ``n`` visible entries selects:
+      the index-count invariant) needs ``kRealSize = n`` exactly: rows sharing ``s`` are
+      chained by consecutive counts ``n, n + 1, ...`` (one row per count; with ratio ``m``
+      each count recurs ``m`` times, so ``m`` chains per document), each chain one batch over
+      keys ``[s, s + n_last)``: query ``i`` sees ``n_first + i`` of them;
+    * a row selecting nothing is left out (its KL term and gradients are 0);
+    * any other row (the invariant broken) is returned in ``fallback_rows``.
+
+    Args:
+        selected: ``[T, K]`` int rows of the indexer keys, -1 anywhere.
+        num_keys: ``N_c``, the number of indexer keys.
+        max_queries, max_batches: per call (A2/A3: ``S1 <= 8192``, ``B <= 256``).
+
+    Host reads: the numbers of rows of each kind and the batch sizes (the op takes host-sized
+    calls; the KL runs in the forward).
+
+    Raises:
+        ValueError: ``selected`` not 2-D, ``max_queries`` or ``max_batches`` below 1.
+    """
+    if selected.dim() != 2:
+        raise ValueError(f"selected must be [T, K], got shape {tuple(selected.shape)}")
+    if max_queries < 1 or max_batches < 1:
+        raise ValueError(f"max_queries and max_batches must be >= 1, got {max_queries}, {max_batches}")
+    device, (num_rows, topk) = selected.device, selected.shape
+    rows_long = selected.long()
+    valid = rows_long >= 0
+    order = (~valid).to(torch.int8).argsort(dim=1, stable=True)
+    count = valid.sum(1)
+    big = torch.iinfo(torch.int64).max
+    ascending = torch.where(valid, rows_long, big).sort(dim=1).values
+    slots = torch.arange(topk, device=device)
+    steps = ascending[:, 1:] - ascending[:, :-1]
+    block = ((steps == 1) | (slots[1:] >= count[:, None])).all(1) if topk > 1 else torch.ones_like(valid[:, 0])
+    start = ascending[:, 0]
+    full = count == topk
+    partial = (count > 0) & (count < topk)
+    chained = partial & block
+    fallback = partial & ~block
+    full_rows = full.nonzero().flatten()
+    part_rows = chained.nonzero().flatten()
+    # chains: sort by (start, count); the r-th row of each (start, count) goes to chain (start, r)
+    key1 = start[part_rows] * (topk + 1) + count[part_rows]
+    by1 = key1.argsort(stable=True)
+    part_rows, key1 = part_rows[by1], key1[by1]
+    first = torch.ones_like(key1, dtype=torch.bool)
+    first[1:] = key1[1:] != key1[:-1]
+    pos = torch.arange(key1.numel(), device=device)
+    rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+    key2 = (start[part_rows] * (num_rows + 1) + rank) * (topk + 1) + count[part_rows]
+    by2 = key2.argsort(stable=True)
+    part_rows = part_rows[by2]
+    chain_of = (start[part_rows] * (num_rows + 1) + rank[by2])
+    n_part = count[part_rows]
+    new = torch.ones_like(n_part, dtype=torch.bool)
+    new[1:] = (chain_of[1:] != chain_of[:-1]) | (n_part[1:] != n_part[:-1] + 1)
+    heads = new.nonzero().flatten()
+    lens = torch.diff(torch.cat([heads, heads.new_tensor([n_part.numel()])]))
+    last = heads + lens - 1
+    info = torch.stack([lens, start[part_rows][heads], n_part[last]], 1) if heads.numel() else heads.new_zeros((0, 3))
+    sizes: list[tuple[int, int, int, int]] = []  # (queries, key start, key rows, zero rows)
+    for b0 in range(0, int(full_rows.numel()), max_queries):
+        num_q = min(max_queries, int(full_rows.numel()) - b0)
+        sizes.append((num_q, 0, num_keys, num_q - 1))
+    sizes += [(int(q), int(s), int(k), 0) for q, s, k in info.tolist()]
+    call_rows = torch.cat([full_rows, part_rows])
+    key_start = torch.cat([torch.zeros_like(full_rows), start[part_rows]])
+    sorted_rows = rows_long.gather(1, order)
+    calls: list[KLCall] = []
+    q0 = 0
+    for b0, b1 in _group_calls(sizes, max_queries, max_batches):
+        batch = sizes[b0:b1]
+        num_q = sum(b[0] for b in batch)
+        rows = call_rows[q0 : q0 + num_q]
+        rel = sorted_rows.index_select(0, rows) - key_start[q0 : q0 + num_q, None]
+        indices = torch.where(sorted_rows.index_select(0, rows) >= 0, rel, -1).to(torch.int32).unsqueeze(1).contiguous()
+        pieces = [torch.cat([torch.arange(s, s + k, device=device), torch.full((z,), num_keys, device=device)])
+                  for _, s, k, z in batch]
+        cu_q = torch.tensor([0, *torch.tensor([b[0] for b in batch]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, *torch.tensor([b[2] + b[3] for b in batch]).cumsum(0).tolist()], dtype=torch.int32,
+                            device=device)
+        calls.append(KLCall(rows, torch.cat(pieces), indices, cu_q, cu_k, max(b[0] for b in batch),
+                            max(b[2] + b[3] for b in batch)))
+        q0 += num_q
+    return KLPlan(calls, order, fallback.nonzero().flatten())
+
+
 class _FusedIndexerKL(torch.autograd.Function):
     """The loss in the forward from the op's ``softmax_out``; the op's gradients times ``grad_factor`` (on ctx) as the backward."""
 
     @staticmethod
-    def forward(ctx: Any, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor,
+    def forward(ctx: Any, q_index: Tensor, k_index: Tensor, weights: Tensor, target: Tensor, plan: KLPlan,
                 grad_factor: float, ops: Any) -> tuple[Tensor, Tensor]:
-        order = (selected < 0).to(torch.int8).argsort(dim=1, stable=True)  # valid first, -1 padded
-        rows = selected.long().gather(1, order)
-        p = torch.where(rows >= 0, target.gather(1, order).float(), 0.0)
-        key = k_index.to(q_index.dtype)[:, None].contiguous()
+        p = target.gather(1, plan.order).float()
+        key = torch.cat([k_index.to(q_index.dtype), k_index.new_zeros((1, k_index.shape[1]), dtype=q_index.dtype)])
         d_q, d_w, kl = torch.zeros_like(q_index), torch.zeros_like(weights, dtype=torch.float32), p.new_zeros(())
         d_k = torch.zeros_like(key)
-        num_k = torch.tensor([0, key.shape[0]], dtype=torch.int32, device=q_index.device)
-        for t0 in range(0, q_index.shape[0], KL_MAX_QUERIES):
-            block = slice(t0, t0 + KL_MAX_QUERIES)
-            num_q = torch.tensor([0, int(rows[block].shape[0])], dtype=torch.int32, device=q_index.device)
-            common: dict[str, Any] = {"cu_seqlens_q": num_q, "cu_seqlens_k": num_k, "layout_q": "TND", "layout_k": "TND",
-                                      "mask_mode": 0, "cmp_ratio": 1}
+        topk = plan.order.shape[1]
+        for call in plan.calls:
+            common: dict[str, Any] = {"cu_seqlens_q": call.cu_seqlens_q, "cu_seqlens_k": call.cu_seqlens_k,
+                                      "layout_q": "TND", "layout_k": "TND", "mask_mode": plan.mask_mode, "cmp_ratio": 1}
             metadata = ops.sparse_lightning_indexer_kl_loss_grad_metadata(
-                q_index.shape[1], 1, q_index.shape[2], batch_size=1, max_seqlen_q=int(num_q[1]),
-                max_seqlen_k=key.shape[0], topk=rows.shape[1], **common,
+                q_index.shape[1], 1, q_index.shape[2], batch_size=int(call.cu_seqlens_q.shape[0]) - 1,
+                max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, topk=topk, **common,
             )
+            p_call = torch.where(call.indices[:, 0] >= 0, p.index_select(0, call.rows), 0.0)
             dq, dk, dw, pred = ops.sparse_lightning_indexer_kl_loss_grad(
-                q_index[block].contiguous(), key, weights[block].float().contiguous(),
-                rows[block].to(torch.int32).unsqueeze(1).contiguous(), p[block].unsqueeze(1).contiguous(),
+                q_index.index_select(0, call.rows).contiguous(), key.index_select(0, call.key_rows)[:, None].contiguous(),
+                weights.index_select(0, call.rows).float().contiguous(), call.indices, p_call.unsqueeze(1).contiguous(),
                 metadata=metadata, **common,
             )
-            d_q[block], d_w[block], d_k = dq, dw, d_k + dk
-            terms = torch.where(p[block] > 0, p[block] * (p[block].clamp_min(1e-30).log() - pred[:, 0].clamp_min(1e-30).log()), 0.0)
+            d_q.index_copy_(0, call.rows, dq)
+            d_w.index_copy_(0, call.rows, dw.float())
+            d_k.index_add_(0, call.key_rows, dk[:, 0].to(d_k.dtype))
+            terms = torch.where(p_call > 0, p_call * (p_call.clamp_min(1e-30).log() - pred[:, 0].clamp_min(1e-30).log()), 0.0)
             kl = kl + terms.sum()
-        ctx.save_for_backward(d_q, d_k[:, 0], d_w)
+        ctx.save_for_backward(d_q, d_k[:-1], d_w)
         ctx.grad_factor, ctx.dtypes = grad_factor, (k_index.dtype, weights.dtype)
         return kl.float(), q_index.new_zeros((), dtype=torch.float32)
 
@@ -274,21 +488,23 @@ class _FusedIndexerKL(torch.autograd.Function):
 
 
 def fused_indexer_kl(
-    ops: Any, q_index: Tensor, k_index: Tensor, weights: Tensor, selected: Tensor, target: Tensor, grad_factor: float,
+    ops: Any, q_index: Tensor, k_index: Tensor, weights: Tensor, target: Tensor, plan: KLPlan, grad_factor: float,
 ) -> tuple[Tensor, Tensor]:
-    """``cpkv::indexer_kl``'s contract through ``sparse_lightning_indexer_kl_loss_grad`` (module doc).
+    """``cpkv::indexer_kl``'s contract through ``sparse_lightning_indexer_kl_loss_grad`` for the rows of ``plan``.
 
     Args:
         ops: ``cann_ops_transformer.ops`` or a stand-in. q_index: ``[T, H_I, D_I]``.
             k_index: ``[N_c, D_I]`` (cast to q's dtype). weights: ``[T, H_I]`` (fp32 to the op).
-            selected: ``[T, K]`` rows of k_index, -1 anywhere. target: ``[T, K]`` L1-normalised
-            (0 at padding). grad_factor: ``grad_scale / N``, kept on the autograd ctx.
+            target: ``[T, K]`` L1-normalised (0 at padding), in ``selected``'s column order.
+            plan: :func:`indexer_kl_plan` of the selections. grad_factor: ``grad_scale / N``,
+            kept on the autograd ctx.
 
     Returns:
-        ``(loss, anchor)``: ``sum_t KL(target_t || softmax(I_t))`` (0-d fp32) and a 0-d zero whose
-        backward gives ``grad_factor`` times the op's gradients, whatever the upstream gradient.
-        The gradients are computed in the forward (the op returns the indexer softmax the loss
-        needs only together with them) and kept until the backward.
+        ``(loss, anchor)``: ``sum_t KL(target_t || softmax(I_t))`` over the planned rows (0-d
+        fp32) and a 0-d zero whose backward gives ``grad_factor`` times the op's gradients,
+        whatever the upstream gradient. The rows in ``plan.fallback_rows`` contribute nothing
+        here (the caller computes them on the composed KL). The gradients are computed in the
+        forward (the op returns the indexer softmax the loss needs only together with them).
     """
-    loss, anchor = _FusedIndexerKL.apply(q_index, k_index, weights, selected, target, float(grad_factor), ops)  # type: ignore[no-untyped-call]
+    loss, anchor = _FusedIndexerKL.apply(q_index, k_index, weights, target, plan, float(grad_factor), ops)  # type: ignore[no-untyped-call]
     return loss, anchor

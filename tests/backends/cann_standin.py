@@ -21,10 +21,27 @@ documented with the reference ops in the inputs' dtype (float64 in the tests):
   first -1 (CSA); one softmax with the sink; LSE ``[1, T, H]`` including the sink;
 * the grad as its formula: ``P = exp(S - lse)``, ``dS = P * (dO . kv - rowsum(dO * O))``,
   ``dQ = dS kv * scale``, ``dKV = dS^T Q * scale + P^T dO``, ``dsinks = -sum_t exp(sink - lse) rowsum(dO * O)``;
-* the KL grad: ``I = sum_h w relu(q . k)`` over the valid listed keys, ``y = softmax(I)``,
-  ``dI = y * sum(p) - p`` chained to ``dq, dk, dw``; returns ``y`` as ``softmax_out``.
+* the KL grad as the arch22 kernel computes it (``sparse_lightning_indexer_kl_loss_grad_base.h``,
+  ``GetS2SparseLen``/``GetRunInfo``; ``..._vector.h``, ``MergeKv``/``CopyPFromInput``): per query
+  ``s2SparseLen`` = the batch's key count (``mask_mode=0``) or ``(S2 * ratio + residual - S1 + i + 1)
+  / ratio`` (``mask_mode=3``), the row skipped (zeros) when it is <= 0; ``kRealSize = max(1, min(K,
+  s2SparseLen))`` columns; keys gathered slot by slot **stopping at the first -1** (indices >=
+  ``s2SparseLen`` skipped, the later ones moving up), the columns left over holding stale rows
+  (zero rows here); ``I = sum_h w relu(q . k)`` and ``y = softmax(I)`` over **all** ``kRealSize``
+  columns (no -1 mask), ``p`` read over the same columns, ``dI = y * sum(p) - p`` chained to ``dq, dw``
+  and ``dk`` (scattered by the slot's index, -1 skipped); returns ``y`` as ``softmax_out``. So a row
+  is right only when its first ``kRealSize`` slots are exactly its valid selections;
+* the arch22 CSA forward (``sparse_flash_mla_csa_block_vector.h``, ``ProcessVec0L``) gathers the
+  first ``min(K, cthr)`` index slots the same way, stopping at the first -1, and softmaxes over
+  all those columns: the columns left over hold stale rows (zero rows here), the backward too;
+* the arch22 CSA forward with several heads (``sparse_flash_mla_csa_kernel.h``, ``CalcParams``):
+  compressed index slots are gathered 512 at a time from ``v0S2Start``, which is 512 only for the
+  second block when it is the last one, else 0: past 1024 the first 512 indices are read again;
+* ``sparse_flash_mla_grad`` fails under ``torch.use_deterministic_algorithms(True)`` (its tiling
+  refuses ``deterministic == 1``), a ``RuntimeError`` as the op raises it.
 
-Hardware limits are not modelled (dtypes, D=512, window 127, ratios 4/128, head counts).
+Hardware limits are not modelled (dtypes, D=512, window 127, ratios 4/128, head counts), except
+the KL op's at most 256 batches a call.
 """
 
 from __future__ import annotations
@@ -37,6 +54,9 @@ from torch import Tensor
 from cpkv.backends import reference
 
 UNSET: Any = object()
+KL_MAX_BATCHES = 256  # sparse_lightning_indexer_kl_loss_grad on A2/A3: B in 1..256 (torch API doc)
+CSA_BLOCK = 512  # sparse_flash_mla's arch22 CSA kernel gathers compressed rows 512 index slots at a time
+STALE = -2  # _rows: a column whose row the kernel did not gather (its workspace holds an earlier row)
 
 
 def require(condition: bool, message: str) -> None:
@@ -184,7 +204,7 @@ class StandInCannOps:
             require(_same(got, value), f"{kind}_metadata's {name} must be the main call's {value!r}, got {got!r}")
         require(all(expected[n] > 0 for n in positive), f"{kind}_metadata: {', '.join(positive)} must be > 0")
 
-    def _rows(self, q: Tensor, kw: dict[str, Any], parsed: dict[str, Any]) -> Tensor:
+    def _rows(self, q: Tensor, kw: dict[str, Any], parsed: dict[str, Any], reread: bool = False) -> Tensor:
         """``[T1, W + K]`` int64 rows of ``cat([ori_kv, cmp_kv])`` each query attends (documented masks), -1 padded."""
         lens_q, lens_ori, lens_cmp = parsed["lens_q"], parsed["lens_ori"], parsed["lens_cmp"]
         device = q.device
@@ -216,10 +236,23 @@ class StandInCannOps:
         else:  # CSA: the listed entries among the first min(K, cthr) slots, up to the first -1, below the threshold
             rel = indices[:, 0].long()
             slots = torch.arange(rel.shape[1], device=device)
+            if reread and q.shape[1] > 1:  # arch22 CSA kernel, H > 1: block b of 512 slots reads slots from v0S2Start =
+                # 512 only for the second block when it is the last one, else 0: past 1024 the first 512 are read again
+                blocks = torch.div(torch.minimum(cthr, torch.full_like(cthr, rel.shape[1])) + CSA_BLOCK - 1, CSA_BLOCK,
+                                   rounding_mode="floor")
+                block = torch.div(slots, CSA_BLOCK, rounding_mode="floor")
+                straight = (block[None] == 0) | ((block[None] == 1) & (blocks[:, None] == 2))
+                rel = rel.gather(1, torch.where(straight, slots[None], (slots % CSA_BLOCK)[None]).expand_as(rel))
+            real = torch.minimum(cthr, torch.full_like(cthr, rel.shape[1]))  # the kernel's columns: min(K, cthr)
             first_pad = torch.where(rel < 0, slots, rel.shape[1]).min(dim=1).values
-            keep = (slots < torch.minimum(cthr, first_pad)[:, None]) & (rel >= 0) & (rel < cthr[:, None])
-            cmp = torch.where(keep, cmp_start[:, None] + rel, -1)
-        return torch.cat([ori, cmp], dim=1)
+            keep = (slots < torch.minimum(real, first_pad)[:, None]) & (rel >= 0) & (rel < cthr[:, None])
+            # ProcessVec0L stops gathering at the first -1 (and skips rows >= cthr): the columns left up to
+            # min(K, cthr) hold stale rows, still in the softmax (a zero row here, index STALE)
+            stale = slots < (real - keep.sum(1))[:, None]
+            cmp = torch.cat([torch.where(keep, cmp_start[:, None] + rel, -1), torch.where(stale, STALE, -1)], dim=1)
+        rows = torch.cat([ori, cmp], dim=1)
+        total = kw["ori_kv"].shape[0] + kw["cmp_kv"].shape[0]
+        return torch.where(rows == STALE, total, rows)  # the zero row appended after ori_kv and cmp_kv
 
     def sparse_flash_mla(
         self, q: Tensor, *, ori_kv: Tensor | None = None, cmp_kv: Tensor | None = None, ori_sparse_indices: Tensor | None = None,
@@ -238,7 +271,9 @@ class StandInCannOps:
         parsed = self._check_attention("sparse_flash_mla", q, kw)
         assert ori_kv is not None and sinks is not None
         kv = ori_kv[:, 0] if cmp_kv is None else torch.cat([ori_kv, cmp_kv])[:, 0]
-        out, lse = reference.sparse_attention(q, kv, self._rows(q, kw, parsed), d_v=q.shape[-1], scale=softmax_scale, sinks=sinks)
+        rows = self._rows(q, kw, parsed, reread=True)
+        kv = torch.cat([kv, kv.new_zeros(1, kv.shape[1])])  # row kv.shape[0]: a stale row (_rows)
+        out, lse = reference.sparse_attention(q, kv, rows, d_v=q.shape[-1], scale=softmax_scale, sinks=sinks)
         return out, lse.float()[None]
 
     def sparse_flash_mla_grad(
@@ -254,6 +289,8 @@ class StandInCannOps:
         kw = dict(locals())
         del kw["self"], kw["q"], kw["dout"], kw["attn_out"], kw["softmax_lse"]
         self.calls.append("sparse_flash_mla_grad")
+        if torch.are_deterministic_algorithms_enabled():  # the A2/A3 tiling: GetDeterministic() == 1 -> GRAPH_FAILED
+            raise RuntimeError("sparse_flash_mla_grad tiling failed: SparseFlashMlaGrad not support deterministic yet")
         parsed = self._check_attention("sparse_flash_mla_grad", q, kw)
         require(dout.shape == q.shape == attn_out.shape and dout.dtype == attn_out.dtype == q.dtype, "dout, attn_out: q's shape and dtype")
         require(softmax_lse.dtype == torch.float32 and tuple(softmax_lse.shape) == (1, q.shape[0], q.shape[1]), "softmax_lse: fp32 [1, T1, N1]")
@@ -317,27 +354,40 @@ class StandInCannOps:
             "max_seqlen_q": int(lens_q.max()), "max_seqlen_k": int(lens_k.max()), "topk": sparse_indices.shape[-1],
             "layout_q": "TND", "layout_k": "TND", "mask_mode": mask_mode, "cmp_ratio": cmp_ratio,
         }, positive=("max_seqlen_q", "max_seqlen_k"))
+        require(lens_q.numel() <= KL_MAX_BATCHES, f"at most {KL_MAX_BATCHES} batches a call on A2/A3, got {lens_q.numel()}")
         seg = torch.repeat_interleave(torch.arange(lens_q.numel(), device=q.device), lens_q)
         rel = sparse_indices[:, 0].long()
+        topk = rel.shape[1]
         require(bool((rel >= -1).all()) and bool((rel < lens_k[seg][:, None]).all()), "sparse_indices within their batch's keys")
-        valid = rel >= 0
-        if mask_mode == 3:
-            start_q = (lens_q.cumsum(0) - lens_q)[seg]
-            i = torch.arange(q.shape[0], device=q.device) - start_q
+        i = torch.arange(q.shape[0], device=q.device) - (lens_q.cumsum(0) - lens_q)[seg]
+        if mask_mode == 3:  # GetS2SparseLen: (S2 * ratio + residual - S1 + i + 1) / ratio, C division
             full = lens_k[seg] * cmp_ratio + (cmp_residual_k.long()[seg] if cmp_residual_k is not None else 0)
-            valid &= rel < torch.div(full - lens_q[seg] + i + 1, cmp_ratio, rounding_mode="floor")[:, None]
-        rows = torch.where(valid, rel + (lens_k.cumsum(0) - lens_k)[seg][:, None], k.shape[0])
-        keys = torch.cat([k[:, 0], k.new_zeros(1, k.shape[2])])[rows]  # [T, K, D]
+            thr = torch.div(full - lens_q[seg] + i + 1, cmp_ratio, rounding_mode="trunc")
+        else:  # mode 0: every key of the batch
+            thr = lens_k[seg]
+        live = thr > 0  # s2SparseLen <= 0: the row is skipped, its outputs stay 0
+        real = torch.where(live, thr.clamp(max=topk).clamp(min=1), 0)  # kRealSize = max(1, min(K, s2SparseLen))
+        slots = torch.arange(topk, device=q.device)
+        in_real = slots < real[:, None]
+        # MergeKv: slots in order, stopping at the first -1; indices >= s2SparseLen are skipped (the rest move up)
+        first_neg = torch.where(in_real & (rel < 0), slots, topk).min(dim=1).values
+        kept = in_real & (slots < first_neg[:, None]) & (rel >= 0) & (rel < thr[:, None])
+        column = torch.where(kept, kept.long().cumsum(1) - 1, topk)  # where each kept slot's key lands
+        base = (lens_k.cumsum(0) - lens_k)[seg]
+        key_rows = torch.full((q.shape[0], topk + 1), k.shape[0], dtype=torch.long, device=q.device)
+        key_rows.scatter_(1, column, torch.where(kept, rel + base[:, None], k.shape[0]))
+        key_rows = key_rows[:, :topk]  # column c's key; columns < kRealSize past the gathered ones are stale (zero rows here)
+        keys = torch.cat([k[:, 0], k.new_zeros(1, k.shape[2])])[key_rows]  # [T, K, D]
         dots = torch.einsum("thd,tkd->thk", q, keys)
         weights = w.to(q.dtype)
-        scores = torch.einsum("th,thk->tk", weights, dots.relu()).masked_fill(~valid, float("-inf"))
-        has_any = valid.any(-1, keepdim=True)
-        pred = torch.where(valid, torch.softmax(scores.masked_fill(~has_any, 0.0), -1), 0.0)
-        p = torch.where(valid, attn_softmax_l1_norm[:, 0].to(q.dtype), 0.0)
-        d_scores = torch.where(valid, pred * p.sum(-1, keepdim=True) - p, 0.0)
+        scores = torch.einsum("th,thk->tk", weights, dots.relu()).masked_fill(~in_real, float("-inf"))
+        pred = torch.where(in_real, torch.softmax(scores.masked_fill(~live[:, None], 0.0), -1), 0.0)  # no -1 mask
+        p = torch.where(in_real, attn_softmax_l1_norm[:, 0].to(q.dtype), 0.0)  # CopyPFromInput: kRealSize columns
+        d_scores = torch.where(in_real, pred * p.sum(-1, keepdim=True) - p, 0.0)
         d_w = torch.einsum("tk,thk->th", d_scores, dots.relu())
         d_dots = d_scores[:, None] * weights[..., None] * (dots > 0)
         d_q = torch.einsum("thk,tkd->thd", d_dots, keys)
+        scatter = torch.where(in_real & (rel >= 0) & (rel < thr[:, None]), rel + base[:, None], k.shape[0])  # by topk slot
         d_k = torch.zeros(k.shape[0] + 1, k.shape[2], dtype=q.dtype, device=q.device)
-        d_k.index_add_(0, rows.flatten(), torch.einsum("thk,thd->tkd", d_dots, q).flatten(0, 1))
+        d_k.index_add_(0, scatter.flatten(), torch.einsum("thk,thd->tkd", d_dots, q).flatten(0, 1))
         return d_q, d_k[:-1, None], d_w.float(), pred.float()[:, None]

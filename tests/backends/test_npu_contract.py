@@ -47,6 +47,7 @@ from cpkv.plan.segments import SegmentPlan, plan_segments
 from cpkv.plan.sharding import contiguous_shard_range, shard_contiguous
 from cpkv.v4 import V4Attention, V4Config
 from tests.backends.cann_standin import StandInCannOps
+from tests.backends.former_kl import FormerKLBackend
 from tests.shared_spawn import shared_spawn
 
 UNSET: Any = object()
@@ -239,6 +240,8 @@ def _backend_of(kind: str, stand_in: StandInTorchNPU, cann: StandInCannOps) -> A
         return ReferenceBackend()
     if kind == "npu":  # the composed path
         return NPUBackend(torch_npu_module=stand_in, check_dtypes=False, fused=False)
+    if kind == "former":  # the fused path with cpkv's KL call before issue 46 (one batch, mask_mode=0)
+        return FormerKLBackend(stand_in, cann, check_dtypes=False, kernel_limits=False)
     return NPUBackend(torch_npu_module=stand_in, check_dtypes=False, kernel_limits=False, fused_ops_module=cann)
 
 
@@ -268,10 +271,11 @@ COMBOS_BY_WORLD = {1: COMBOS, 2: COMBOS, 3: COMBOS[0::2][:1] + COMBOS[1::2][1:2]
 
 
 def _cases(world: int) -> list[tuple[str, str]]:
-    """(mode, kind) pairs run at ``world``: every path at cp 1-2, the fused path (and its oracle) at cp 3-4."""
+    """(mode, kind) pairs run at ``world``: every path at cp 1-2, the fused path (and its oracle) at cp 3-4; the
+    former KL call (issue 46) with the indexer everywhere."""
     if world <= 2:
-        return [(n, k) for n in CASES for k in ("reference", "npu")] + [(n, "fused") for n in COMPRESSED]
-    return [(n, k) for n in COMPRESSED for k in ("reference", "fused")]
+        return [(n, k) for n in CASES for k in ("reference", "npu")] + [(n, "fused") for n in COMPRESSED] + [("indexer", "former")]
+    return [(n, k) for n in COMPRESSED for k in ("reference", "fused")] + [("indexer", "former")]
 
 
 def _layer_worker(rank: int, world: int) -> dict[tuple[str, str, str, str], dict[str, Any]]:
@@ -331,6 +335,22 @@ def test_layer_through_fused_path_equals_reference(layer_runs: Any, name: str, w
         ref, fused = per_rank[(name, "reference", layout, exchange)], per_rank[(name, "fused", layout, exchange)]
         assert fused["calls"] == EXPECTED_FUSED[name], f"{name} rank {rank}: kernels called {fused['calls']}"
         _assert_run(fused, ref, f"{name} fused cp {world} rank {rank}", 1e-5, 1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world", "layout", "exchange"), [(w, *c) for w, combos in COMBOS_BY_WORLD.items() for c in combos])
+def test_former_kl_call_fails_the_fused_contract(layer_runs: Any, world: int, layout: str, exchange: str) -> None:
+    """cpkv's KL call before issue 46 (one batch, ``mask_mode=0``) fails the fused path's check above on some rank:
+    the strict stand-in computes it as the arch22 kernel does (stale columns for rows with fewer than K selections)."""
+    failures = []
+    for rank, per_rank in enumerate(layer_runs[world]):
+        ref, former = per_rank[("indexer", "reference", layout, exchange)], per_rank[("indexer", "former", layout, exchange)]
+        try:
+            _assert_run(former, ref, f"indexer former cp {world} rank {rank}", 1e-5, 1e-6)
+        except AssertionError as err:
+            failures.append(str(err))
+    assert failures, "the former KL call passed the fused contract"
+    assert all("indexer" in f and ("grad indexer." in f or "indexer loss" in f) for f in failures), failures[0]
 
 
 # --------------------------------------------------------------------------- op level and mutations
