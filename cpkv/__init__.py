@@ -92,7 +92,7 @@ from cpkv.plan.sharding import (
     zigzag_tnd_index,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AttentionBackend",

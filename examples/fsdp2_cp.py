@@ -29,9 +29,9 @@ a rank-local normaliser is off by > 1e-2 at step 0), the bf16 run within ``BF16_
 (about one bf16 rounding, 7.8e-3; measured <= 2.9e-4). Learned MoE routing amplifies any
 difference once the router's top-2 choices flip: at ``LR`` = 3e-3 the float32 runs drifted
 to 2e-2 by step 28, so the learning rate is 1e-3. ``--plot`` draws the curves
-(docs/fsdp2_loss.png is this script's default output). Needs ``pip install 'cpkv[transformers]'``::
+(docs/fsdp2_loss.png is ``--plot docs/fsdp2_loss.png``; by default it draws nothing). Needs ``pip install 'cpkv[transformers]'``::
 
-    python examples/fsdp2_cp.py                       # 4 spawned gloo ranks, 24 steps, writes docs/fsdp2_loss.png
+    python examples/fsdp2_cp.py                       # 4 spawned gloo ranks, 24 steps (--plot PATH draws the curves)
     python examples/fsdp2_cp.py --steps 2 --runs dp2xcp2-bf16 --plot ""   # what CI runs
     torchrun --nproc-per-node 4 examples/fsdp2_cp.py --runs dp2xcp2-bf16 --plot ""   # under torchrun
 
@@ -65,7 +65,6 @@ import cpkv  # noqa: F401  # before init_process_group (docs/troubleshooting.md)
 VOCAB, TOKENS, MICRO, LR = 256, 128, 2, 1e-3  # MICRO micro-batches of TOKENS bytes per optimizer step
 RUNS = {"dp1xcp4": (1, 4, "float32"), "dp2xcp2": (2, 2, "float32"), "dp2xcp2-bf16": (2, 2, "bfloat16")}
 FP32_TOL, BF16_TOL = 1e-5, 1e-2  # measured (24 steps): <= 1.9e-7 (float32), <= 2.9e-4 (bf16)
-DEFAULT_PLOT = str(Path(__file__).resolve().parents[1] / "docs" / "fsdp2_loss.png")
 
 
 # ------------------------------------------------------------------ data: the standard library's bytes
@@ -336,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps (default 24)")
     parser.add_argument("--save-at", type=int, help="checkpoint after this many steps (default: max(1, steps - 2))")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="the CP runs (default all)")
-    parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH", help="the loss curves' PNG ('' for none)")
+    parser.add_argument("--plot", default="", metavar="PATH", help="draw the loss curves into this PNG (default: none)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="where the distributed checkpoint goes and stays (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
