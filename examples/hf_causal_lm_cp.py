@@ -11,7 +11,7 @@ own cost, :func:`~cpkv.integrations.transformers.deepseek_v4_plan_options`), and
 one process with Hugging Face's model run on each document alone. Both losses are printed
 per step; ``--plot PATH`` also draws them (matplotlib). Needs ``pip install 'cpkv[transformers]'``::
 
-    python examples/hf_causal_lm_cp.py                    # 4 ranks, 10 steps: 85-110 s on 2 CPU cores (measured)
+    python examples/hf_causal_lm_cp.py                    # 4 ranks, 10 steps: 24-34 s on 2 CPU cores (measured)
     python examples/hf_causal_lm_cp.py --steps 30 --plot losses.png --ddp
 """
 

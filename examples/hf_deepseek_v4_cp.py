@@ -5,7 +5,7 @@ packed batch of documents over 4 CPU ranks and runs each layer's ``self_attn`` t
 :func:`cpkv.integrations.transformers.deepseek_v4_attention_forward` with the need exchange.
 Rank 0 checks the gathered outputs against the model's own layers run on each document
 alone (batch 1, positions from 0, sliding-window causal mask). Needs
-``pip install 'cpkv[transformers]'``; 70-100 s on 2 CPU cores (measured, most of it starting
+``pip install 'cpkv[transformers]'``; 18-22 s on 2 CPU cores (measured, most of it starting
 the ranks and importing transformers)::
 
     python examples/hf_deepseek_v4_cp.py

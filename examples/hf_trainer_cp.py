@@ -12,7 +12,7 @@ schedule) on the same packed documents (``DataCollatorWithFlattening``), three t
 The logged loss of every step is printed for the three. Needs
 ``pip install 'cpkv[trainer]'``::
 
-    python examples/hf_trainer_cp.py              # 6 steps: 40-135 s on 2 CPU cores (measured)
+    python examples/hf_trainer_cp.py              # 6 steps: 25-39 s on 2 CPU cores (measured)
     python examples/hf_trainer_cp.py --steps 20
 """
 

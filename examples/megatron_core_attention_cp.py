@@ -19,7 +19,7 @@ attention. Each rank runs Megatron's THD recipe:
    group (a wrapper that *averages* over CP ranks needs the loss multiplied by cp), step.
 
 It runs 3 SGD steps at cp 2 (2 gloo ranks, padded) and at cp 1 (one process, the unpadded
-batch) in float64 and prints both runs' losses; they agree to rounding. CPU only, 30-65 s
+batch) in float64 and prints both runs' losses; they agree to rounding. CPU only, 8-10 s
 on 2 CPU cores (measured)::
 
     python examples/megatron_core_attention_cp.py
