@@ -94,7 +94,7 @@ def _prefix_rows(gathered: Tensor, plan: AttentionPlan) -> Tensor:
 
 def _gathered(x: Tensor, plan: AttentionPlan, group: Group, order: BackwardOrder) -> Tensor:
     """The rank's prefix buffer of ``x`` ``[local_len, ...]`` from an all-gather (shorter shards padded)."""
-    if x.shape[0] < plan.gather_len:
+    if torch.compiler.is_compiling() or x.shape[0] < plan.gather_len:  # compiled: no branch on the packing
         x = torch.cat([x, x.new_zeros((plan.gather_len - x.shape[0], *x.shape[1:]))])
     return _prefix_rows(gather_from_sp_cp(x, group, tnd=True, order=order), plan)
 
@@ -108,7 +108,7 @@ def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, o
     halo = exchange_rows(kv, source.halo, group, order=order)
     if source.rows is not None:  # ranges read rows in another order than [received ; own]
         return [torch.cat([halo, kv]).index_select(0, source.rows.to(kv.device))]
-    return [halo, kv] if source.halo.num_recv else [kv]
+    return [halo, kv] if torch.compiler.is_compiling() or source.halo.num_recv else [kv]
 
 
 def _concat(parts: list[Tensor]) -> Tensor:
@@ -137,18 +137,22 @@ def _compress_own(
     routes: CompressedRoutes, hidden: Tensor, halo: Tensor, fn: Callable[[Tensor, CompressedPlan], Tensor | None],
     name: str, width: int,
 ) -> list[Tensor]:
-    """``fn`` over the rank's straddling blocks (small buffer with the halo) and its other blocks (own rows, no copy)."""
+    """``fn`` over the rank's straddling blocks (small buffer with the halo) and its other blocks (own rows, no copy).
+
+    Compiled, both run whatever their number of blocks (none: zero entries), so that the graph
+    does not branch on the packing."""
     parts = []
-    if routes.straddle.num_entries:
+    always = torch.compiler.is_compiling()
+    if always or routes.straddle.num_entries:
         read = hidden[: routes.straddle_rows] if routes.straddle_own is None else hidden.index_select(0, routes.straddle_own)
         buffer = torch.cat([halo, read])
         if routes.straddle_order is not None:
             buffer = buffer.index_select(0, routes.straddle_order)
         straddled = fn(buffer, routes.straddle)
-        parts.append(checked_rows(name, straddled, routes.straddle.num_entries, width))
-    if routes.own.num_entries:
+        parts.append(checked_rows(name, straddled, routes.straddle, width))
+    if always or routes.own.num_entries:
         own = fn(hidden, routes.own)
-        parts.append(checked_rows(name, own, routes.own.num_entries, width))
+        parts.append(checked_rows(name, own, routes.own, width))
     return parts
 
 
@@ -162,14 +166,15 @@ def _run_modules(
     rank's own rows with the received ``halo``. Every output is checked against the plan.
     """
     ratio = spec.compress_ratio
+    always = torch.compiler.is_compiling()  # compiled: every part, whatever its number of rows
     wants_index = spec.mode is LayerCompressMode.INDEXER and indexer is not None
     keys: Tensor | None = None
     if halo is None:
         blocks = plan.segments.compressed_for(ratio)
         computed = compressor(inputs, blocks)
-        entries = [checked_rows("compressor", computed, blocks.num_entries, width)] if blocks.num_entries else []
+        entries = [checked_rows("compressor", computed, blocks, width)] if always or blocks.num_entries else []
         if wants_index and indexer is not None and entries:
-            keys = checked_rows("indexer.keys", indexer.keys(inputs.detach(), blocks), blocks.num_entries, indexer.key_dim)
+            keys = checked_rows("indexer.keys", indexer.keys(inputs.detach(), blocks), blocks, indexer.key_dim)
     else:
         routes = plan.compressed[ratio]
         entries = _compress_own(routes, inputs, halo, compressor, "compressor", width)
@@ -178,10 +183,10 @@ def _run_modules(
             key_dtype = torch.promote_types(inputs.dtype, torch.float32)
             keys = _concat(key_parts).to(key_dtype) if key_parts else inputs.new_zeros((0, indexer.key_dim), dtype=key_dtype)
     queries = None
-    sees_entries = bool(entries) or (halo is not None and plan.compressed[ratio].entries.num_recv > 0)
+    sees_entries = always or bool(entries) or (halo is not None and plan.compressed[ratio].entries.num_recv > 0)
     if keys is not None and indexer is not None and sees_entries:
         q_index, weights = indexer.queries(features.detach(), plan.q_positions)
-        queries = checked_queries(indexer, q_index, weights, plan.local_len)
+        queries = checked_queries(indexer, q_index, weights, plan.q_positions.shape[0])
     return ModuleOutputs(entries, keys, queries)
 
 
@@ -225,7 +230,7 @@ def _entries(
         routes = plan.compressed[spec.compress_ratio]
         owned = _concat(parts) if parts else kv.new_zeros((0, kv.shape[-1]))
         received = exchange_rows(owned, routes.entries, group, order=order)
-        parts = [t for t in (received, owned) if t.shape[0]]
+        parts = [t for t in (received, owned) if torch.compiler.is_compiling() or t.shape[0]]
         if routes.entry_rows is not None and parts:  # documents' entries in another order than [received ; owned]
             parts = [_concat(parts).index_select(0, routes.entry_rows)]
         if keys is not None:

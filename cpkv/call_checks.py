@@ -24,11 +24,20 @@ from cpkv.checks import check_finite, check_ndim, check_tensor
 from cpkv.collectives import Group, check_group
 from cpkv.compress_mode import LayerCompressMode
 from cpkv.plan.attention import AttentionPlan
+from cpkv.plan.segments import CompressedPlan
 from cpkv.status import StepStatus
 
 
-def checked_rows(name: str, rows: Tensor | None, num_entries: int, width: int) -> Tensor:
-    """What a compressor or ``indexer.keys`` returned for blocks with entries: a float ``[num_entries, width]``."""
+def checked_rows(name: str, rows: Tensor | None, blocks: CompressedPlan, width: int) -> Tensor:
+    """What a compressor or ``indexer.keys`` returned for ``blocks``: a float ``[N_c, width]``.
+
+    ``N_c`` is read off the plan's tensors (``blocks.block_starts``), so that a compiled call
+    checks it without a guard on the packing (``torch._check``: a runtime assert)."""
+    num_entries = blocks.block_starts.shape[0]
+    if isinstance(rows, Tensor) and torch.compiler.is_compiling() and rows.ndim == 2 and rows.shape[1] == width:
+        if rows.is_floating_point():
+            torch._check(rows.shape[0] == num_entries, lambda: f"{name} must return the plan's N_c entries")  # type: ignore[no-untyped-call]
+            return rows
     if not isinstance(rows, Tensor) or tuple(rows.shape) != (num_entries, width) or not rows.is_floating_point():
         got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, Tensor) else type(rows).__name__
         raise ValueError(

@@ -27,12 +27,29 @@ class Routes:
         recv_splits: rows received from each rank (``cp`` entries); received rows are
             concatenated in source-rank order, which is natural packed order.
         any_traffic: whether any rank sends anything (identical on every rank).
+        host_splits: ``[2, cp]`` int64 on the host: ``send_splits`` and ``recv_splits`` as a
+            tensor (made from them when not given). A compiled layer passes them so, with
+            ``recv_shape``, and its graph does not specialise on the packing's counts.
+        recv_shape: ``[num_recv, 0]`` (no storage): the received row count as a tensor size
+            (made when not given), dynamic under ``torch.compile``
+            (:func:`cpkv.plan.attention.mark_sizes_dynamic`).
     """
 
     send_rows: Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     any_traffic: bool
+    host_splits: Tensor | None = None
+    recv_shape: Tensor | None = None
+
+    host_fields = ("host_splits",)  # stay on the host when the plan moves to a device (AttentionPlan.to)
+
+    def __post_init__(self) -> None:
+        if self.host_splits is None:
+            splits = torch.tensor([list(self.send_splits), list(self.recv_splits)], dtype=torch.int64)
+            object.__setattr__(self, "host_splits", splits.reshape(2, len(self.send_splits)))
+        if self.recv_shape is None:
+            object.__setattr__(self, "recv_shape", torch.empty((self.num_recv, 0), device=self.send_rows.device))
 
     @property
     def num_recv(self) -> int:
