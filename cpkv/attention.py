@@ -106,6 +106,8 @@ def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, o
     if source.halo is None:
         return [kv]
     halo = exchange_rows(kv, source.halo, group, order=order)
+    if torch.compiler.is_compiling() and source.index is not None:  # compiled: the same ops for every packing
+        return [torch.cat([halo, kv]).index_select(0, source.index.to(kv.device))]
     if source.rows is not None:  # ranges read rows in another order than [received ; own]
         return [torch.cat([halo, kv]).index_select(0, source.rows.to(kv.device))]
     return [halo, kv] if torch.compiler.is_compiling() or source.halo.num_recv else [kv]
@@ -143,7 +145,10 @@ def _compress_own(
     does not branch on the packing."""
     parts = []
     always = torch.compiler.is_compiling()
-    if always or routes.straddle.num_entries:
+    if always and routes.straddle_own_index is not None and routes.straddle_index is not None:
+        buffer = torch.cat([halo, hidden.index_select(0, routes.straddle_own_index)]).index_select(0, routes.straddle_index)
+        parts.append(checked_rows(name, fn(buffer, routes.straddle), routes.straddle, width))
+    elif routes.straddle.num_entries:
         read = hidden[: routes.straddle_rows] if routes.straddle_own is None else hidden.index_select(0, routes.straddle_own)
         buffer = torch.cat([halo, read])
         if routes.straddle_order is not None:
@@ -231,12 +236,16 @@ def _entries(
         owned = _concat(parts) if parts else kv.new_zeros((0, kv.shape[-1]))
         received = exchange_rows(owned, routes.entries, group, order=order)
         parts = [t for t in (received, owned) if torch.compiler.is_compiling() or t.shape[0]]
-        if routes.entry_rows is not None and parts:  # documents' entries in another order than [received ; owned]
+        if torch.compiler.is_compiling() and routes.entry_index is not None:  # compiled: the same ops for every packing
+            parts = [_concat(parts).index_select(0, routes.entry_index)]
+        elif routes.entry_rows is not None and parts:  # documents' entries in another order than [received ; owned]
             parts = [_concat(parts).index_select(0, routes.entry_rows)]
         if keys is not None:
             got = exchange_index_keys(keys, routes.entries, group, spec.index_key_dtype, order=order)
             keys = torch.cat([got, round_index_keys(keys, spec.index_key_dtype)])
-            if routes.entry_rows is not None:
+            if torch.compiler.is_compiling() and routes.entry_index is not None:
+                keys = keys.index_select(0, routes.entry_index)
+            elif routes.entry_rows is not None:
                 keys = keys.index_select(0, routes.entry_rows)
     elif keys is not None:
         keys = round_index_keys(keys, spec.index_key_dtype)
@@ -380,9 +389,12 @@ def attention_forward(
         parts = [local]
         for ring_round in source.rounds:
             rows = exchange_rows(moved, ring_round.routes, group, order=order)
-            if ring_round.rows is not None:  # into index order
+            if torch.compiler.is_compiling() and ring_round.index is not None:  # compiled: the same ops for every packing
+                rows = rows.index_select(0, ring_round.index.to(rows.device))
+            elif ring_round.rows is not None:  # into index order
                 rows = rows.index_select(0, ring_round.rows.to(rows.device))
-            if ring_round.ranges.num_rows and ring_round.ranges.num_keys:  # empty rounds make no call
+            # empty rounds make no call (compiled: every round does, an empty one merging as nothing)
+            if torch.compiler.is_compiling() or (ring_round.ranges.num_rows and ring_round.ranges.num_keys):
                 keys, values = _heads(rows, q.shape[-1], spec.d_v, v is not None)
                 parts.append(ops.range_attention(q, keys, values, ring_round.ranges, scale=scale))
         result = merge_partials(parts, sinks)

@@ -180,6 +180,7 @@ def lognormal_packing(rng: Any, tokens: int, unit: int = 1, mean: float = 3.0, s
 def graphs_over_packings(
     rank: int, world: int, mode: str, packings: int, backend: str, tokens: int = 96, layout: str = "contiguous",
     exchange: str = "need", ring: int = 1, target: str = "layer", recompile_limit: int | None = None,
+    size_oblivious: bool = False,
 ) -> dict[str, Any]:
     """Graphs Dynamo holds for one compiled layer call after each of ``packings`` steps.
 
@@ -191,6 +192,8 @@ def graphs_over_packings(
     ``FailOnRecompileLimitHit`` at Dynamo's default limit of 8 graphs, ``recompile_limit=None``), else 0,
     and ``reason`` its exception;
     ``seconds``: each step's wall time; ``error``: max relative difference of the last step vs eager.
+    ``size_oblivious``: set ``torch.fx.experimental._config.backed_size_oblivious`` (PyTorch's switch
+    that keeps dynamic sizes of 0 and 1 symbolic instead of specialising them).
     """
     import random
 
@@ -199,6 +202,10 @@ def graphs_over_packings(
 
     if recompile_limit is not None:
         torch._dynamo.config.recompile_limit = recompile_limit
+    if size_oblivious:
+        import torch.fx.experimental._config
+
+        torch.fx.experimental._config.backed_size_oblivious = True
     config = MODES[mode]
     layer = V4Attention(config, seed=5)
     fn = layer.forward if target == "layer" else functools.partial(attention_call, layer)
@@ -238,16 +245,19 @@ def graphs_over_packings(
 PACKING_CASES = [(layout, exchange, 1) for layout in LENGTHS for exchange in ("need", "allgather")] + [("contiguous", "need", 2)]
 
 
-def _packings_table(cp: int, packings: int, backend: str, modes: list[str], target: str, limit: int | None) -> None:
+def _packings_table(
+    cp: int, packings: int, backend: str, modes: list[str], target: str, limit: int | None, oblivious: bool, tokens: int,
+) -> None:
     where = "V4Attention.forward" if target == "layer" else "attention_forward"
-    print(f"{where}, cp {cp}, {packings} packings, backend {backend}, recompile_limit {limit or 'default (8)'}\n")
+    print(f"{where}, cp {cp}, {tokens} tokens, {packings} packings, backend {backend}, recompile_limit {limit or 'default (8)'},"
+          f" backed_size_oblivious {oblivious}\n")
     print("| mode | layout | exchange | graphs per rank | failed at step | step of the last new graph | compile s per step"
           " (mean over steps) | steady step s | max rel. error vs eager (last step) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         for layout, exchange, ring in PACKING_CASES:
-            per_rank = spawn(graphs_over_packings, cp, mode, packings, backend, 96, layout, exchange, ring, target, limit,
-                             timeout=900.0)
+            per_rank = spawn(graphs_over_packings, cp, mode, packings, backend, tokens, layout, exchange, ring, target, limit,
+                             oblivious, timeout=900.0)
             graphs = [r["graphs"][-1] if r["graphs"] else 0 for r in per_rank]
             last = [next(i + 1 for i, g in enumerate(r["graphs"]) if g == r["graphs"][-1]) if r["graphs"] else 0 for r in per_rank]
             failed = [r["failed"] for r in per_rank]
@@ -270,9 +280,13 @@ def main() -> int:
     parser.add_argument("--target", default="layer", choices=["layer", "attention"],
                         help="with --packings: V4Attention.forward or attention_forward itself")
     parser.add_argument("--recompile-limit", type=int, default=None, help="with --packings (default: Dynamo's, 8)")
+    parser.add_argument("--size-oblivious", action="store_true",
+                        help="with --packings: torch.fx.experimental._config.backed_size_oblivious = True")
+    parser.add_argument("--tokens", type=int, default=96, help="with --packings: tokens per packing")
     args = parser.parse_args()
     if args.packings:
-        _packings_table(args.cp, args.packings, args.backend, args.modes, args.target, args.recompile_limit)
+        _packings_table(args.cp, args.packings, args.backend, args.modes, args.target, args.recompile_limit,
+                        args.size_oblivious, args.tokens)
         return 0
     print(f"| case | fullgraph | graph breaks | first call s ({args.backend}) | max rel. error vs eager |")
     print("|---|---|---|---|---|")
