@@ -191,7 +191,8 @@ def graphs_over_packings(
     (a step that recompiled adds one); ``failed``: the step (1-based) whose call raised (for example
     ``FailOnRecompileLimitHit`` at Dynamo's default limit of 8 graphs, ``recompile_limit=None``), else 0,
     and ``reason`` its exception;
-    ``seconds``: each step's wall time; ``error``: max relative difference of the last step vs eager.
+    ``seconds``: each step's wall time; ``error``: max relative difference of the last step vs eager,
+    ``eager_seconds``: that eager step's wall time.
     ``size_oblivious``: set ``torch.fx.experimental._config.backed_size_oblivious`` (PyTorch's switch
     that keeps dynamic sizes of 0 and 1 symbolic instead of specialising them).
     """
@@ -219,7 +220,7 @@ def graphs_over_packings(
     steps = edge_packings(tokens, world, config.compress_ratio, unit)
     graphs: list[int] = []
     seconds: list[float] = []
-    failed, error, reason = 0, 0.0, ""
+    failed, error, reason, eager_seconds = 0, 0.0, "", 0.0
     for step in range(packings):
         lengths = steps[step] if step < len(steps) else lognormal_packing(rng, tokens, unit)
         plan = plan_attention(seqlens_to_cu_seqlens(lengths), world, rank, layout=layout,  # type: ignore[arg-type]
@@ -237,9 +238,11 @@ def graphs_over_packings(
         seconds.append(time.perf_counter() - start)
         graphs.append(int(counters["stats"]["unique_graphs"]))
         if step == packings - 1:
+            start = time.perf_counter()
             eager = _call(layer, fn, x, plan, grad)
+            eager_seconds = time.perf_counter() - start
             error = max(float((c - e).abs().max() / e.abs().max().clamp(min=1e-12)) for c, e in zip(got, eager))
-    return {"graphs": graphs, "failed": failed, "seconds": seconds, "error": error, "reason": reason}
+    return {"graphs": graphs, "failed": failed, "seconds": seconds, "error": error, "reason": reason, "eager_seconds": eager_seconds}
 
 
 PACKING_CASES = [(layout, exchange, 1) for layout in LENGTHS for exchange in ("need", "allgather")] + [("contiguous", "need", 2)]
@@ -247,15 +250,18 @@ PACKING_CASES = [(layout, exchange, 1) for layout in LENGTHS for exchange in ("n
 
 def _packings_table(
     cp: int, packings: int, backend: str, modes: list[str], target: str, limit: int | None, oblivious: bool, tokens: int,
+    layouts: list[str] | None = None,
 ) -> None:
     where = "V4Attention.forward" if target == "layer" else "attention_forward"
     print(f"{where}, cp {cp}, {tokens} tokens, {packings} packings, backend {backend}, recompile_limit {limit or 'default (8)'},"
           f" backed_size_oblivious {oblivious}\n")
     print("| mode | layout | exchange | graphs per rank | failed at step | step of the last new graph | compile s per step"
-          " (mean over steps) | steady step s | max rel. error vs eager (last step) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " (mean over steps) | compiled step s (median) | eager step s (last) | max rel. error vs eager (last step) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         for layout, exchange, ring in PACKING_CASES:
+            if layouts and layout not in layouts:
+                continue
             per_rank = spawn(graphs_over_packings, cp, mode, packings, backend, tokens, layout, exchange, ring, target, limit,
                              oblivious, timeout=900.0)
             graphs = [r["graphs"][-1] if r["graphs"] else 0 for r in per_rank]
@@ -266,7 +272,8 @@ def _packings_table(
             compile_s = sum(max(0.0, t - steady) for t in secs) / max(1, len(secs))
             name = exchange + (f", ring {ring}" if ring > 1 else "")
             print(f"| {mode} | {layout} | {name} | {', '.join(map(str, graphs))} | {', '.join(str(f) if f else '-' for f in failed)}"
-                  f" | {', '.join(map(str, last))} | {compile_s:.2f} | {steady:.3f} | {per_rank[0]['error']:.1e} |", flush=True)
+                  f" | {', '.join(map(str, last))} | {compile_s:.2f} | {steady:.3f} | {per_rank[0]['eager_seconds']:.3f}"
+                  f" | {per_rank[0]['error']:.1e} |", flush=True)
 
 
 def main() -> int:
@@ -283,10 +290,11 @@ def main() -> int:
     parser.add_argument("--size-oblivious", action="store_true",
                         help="with --packings: torch.fx.experimental._config.backed_size_oblivious = True")
     parser.add_argument("--tokens", type=int, default=96, help="with --packings: tokens per packing")
+    parser.add_argument("--layouts", nargs="+", default=None, choices=list(LENGTHS), help="with --packings (default: all)")
     args = parser.parse_args()
     if args.packings:
         _packings_table(args.cp, args.packings, args.backend, args.modes, args.target, args.recompile_limit,
-                        args.size_oblivious, args.tokens)
+                        args.size_oblivious, args.tokens, args.layouts)
         return 0
     print(f"| case | fullgraph | graph breaks | first call s ({args.backend}) | max rel. error vs eager |")
     print("|---|---|---|---|---|")
