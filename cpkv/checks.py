@@ -8,6 +8,8 @@ given the same bad input all raise before any collective is issued.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -130,3 +132,11 @@ def check_cu_seqlens(name: str, cu: object, total: int) -> Tensor:
     if int(cu[-1]) != total:
         raise ValueError(f"{name}[-1] must equal the token count {total}, got {int(cu[-1])}")
     return cu.to(torch.int64)
+
+
+def check_finite(name: str, value: object, *, positive: bool = False) -> None:
+    """A finite real number (and ``> 0`` when ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} float, got {value!r}")

@@ -165,6 +165,54 @@ def _exchange_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor |
 _exchange.register_autograd(_exchange_grad, setup_context=_exchange_setup)
 
 
+# The compiled form: the splits as a host tensor and the received count as a tensor's size, so
+# that a compiled graph has no int of the packing in it (nothing to specialise or guard on).
+
+
+@torch.library.custom_op("cpkv::exchange_sized", mutates_args=())
+def _exchange_sized(
+    x: Tensor, token: Tensor, send_rows: Tensor, host_splits: Tensor, recv_shape: Tensor, group: str
+) -> tuple[Tensor, Tensor]:
+    send_splits, recv_splits = host_splits.tolist()  # host data of the plan: no device sync
+    return _exchange(x, token, send_rows, send_splits, recv_splits, group)  # type: ignore[no-any-return]
+
+
+@_exchange_sized.register_fake
+def _(
+    x: Tensor, token: Tensor, send_rows: Tensor, host_splits: Tensor, recv_shape: Tensor, group: str
+) -> tuple[Tensor, Tensor]:
+    return x.new_empty((recv_shape.shape[0], *x.shape[1:])), token.new_empty(())
+
+
+@torch.library.custom_op("cpkv::exchange_sized_backward", mutates_args=())
+def exchange_sized_backward_op(
+    grad: Tensor, token: Tensor, send_rows: Tensor, num_rows: int, host_splits: Tensor, group: str
+) -> tuple[Tensor, Tensor]:
+    """:func:`exchange_backward_op` with the splits as a ``[2, cp]`` host tensor."""
+    send_splits, recv_splits = host_splits.tolist()
+    return exchange_backward_op(grad, token, send_rows, num_rows, send_splits, recv_splits, group)  # type: ignore[no-any-return]
+
+
+@exchange_sized_backward_op.register_fake
+def _(grad: Tensor, token: Tensor, send_rows: Tensor, num_rows: int, host_splits: Tensor, group: str) -> tuple[Tensor, Tensor]:
+    return grad.new_empty((num_rows, *grad.shape[1:])), token.new_empty(())
+
+
+def _exchange_sized_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, _token, send_rows, host_splits, _shape, ctx.group = inputs
+    ctx.num_rows = x.shape[0]
+    ctx.save_for_backward(send_rows, host_splits)
+
+
+def _exchange_sized_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor | None, ...]:
+    send_rows, host_splits = ctx.saved_tensors
+    grad_x, grad_token = exchange_sized_backward_op(grad, grad_token, send_rows, ctx.num_rows, host_splits, ctx.group)
+    return grad_x, grad_token, None, None, None, None
+
+
+_exchange_sized.register_autograd(_exchange_sized_grad, setup_context=_exchange_sized_setup)
+
+
 # ------------------------------------------------------------------ public wrappers
 
 
@@ -224,15 +272,22 @@ def reduce_scatter(x: Tensor, group: Group) -> Tensor:
 
 def exchange(
     x: Tensor, send_rows: Tensor, send_splits: tuple[int, ...], recv_splits: tuple[int, ...], group: Group,
-    order: BackwardOrder | None = None,
+    order: BackwardOrder | None = None, sized: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Differentiable routed all-to-all: send ``x[send_rows]`` split by ``send_splits``.
+
+    ``sized``: the same splits as a ``[2, cp]`` host tensor and a ``[sum(recv_splits), 0]``
+    tensor (:class:`~cpkv.plan.routes.Routes`' ``host_splits`` and ``recv_shape``); under
+    ``torch.compile`` the call then passes them instead of ints (one graph for every packing).
 
     Returns ``[sum(recv_splits), ...]`` received rows in source-rank order. Backward: the
     gradient goes back along the same routes and is summed into ``x``'s sent rows.
     """
     token = order.token if order is not None else x.new_zeros((), dtype=torch.float32)
-    out, token = _exchange(x, token, send_rows, list(send_splits), list(recv_splits), group_name(group))
+    if sized is not None and torch.compiler.is_compiling():  # compiled: no int of the packing in the graph
+        out, token = _exchange_sized(x, token, send_rows, sized[0], sized[1], group_name(group))
+    else:
+        out, token = _exchange(x, token, send_rows, list(send_splits), list(recv_splits), group_name(group))
     if order is not None:
         order.token = token
     received: Tensor = out

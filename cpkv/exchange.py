@@ -4,11 +4,13 @@ The routes are plan data (:mod:`cpkv.plan.routes`, built once per micro-batch by
 :func:`cpkv.plan.plan_attention`); this module only moves rows. One
 ``all_to_all_single`` per call (uneven splits); its backward sends the gradients back along
 the same routes (summed at the owner). When no rank sends anything the collective is
-skipped on every rank alike (the decision comes from the global plan).
+skipped on every rank alike (the decision comes from the global plan); under ``torch.compile``
+it always runs (moving zero rows), so that the compiled graph does not branch on the packing.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from cpkv.checks import check_tensor
@@ -36,8 +38,9 @@ def exchange_rows(x: Tensor, routes: Routes, group: Group, *, order: BackwardOrd
     group = check_group("group", group)
     if not isinstance(routes, Routes):
         raise TypeError(f"routes must be Routes from an AttentionPlan, got {type(routes).__name__}")
-    if routes.num_send and x.ndim == 0:
+    if x.ndim == 0 and routes.num_send:
         raise ValueError("x must be [n, ...] rows to send, got a 0-d tensor")
-    if not routes.any_traffic:
+    if not torch.compiler.is_compiling() and not routes.any_traffic:  # compiled: no branch on the packing
         return x.new_zeros((0, *x.shape[1:]))
-    return exchange(x, routes.send_rows.to(x.device), routes.send_splits, routes.recv_splits, group, order)
+    sized = None if routes.host_splits is None or routes.recv_shape is None else (routes.host_splits, routes.recv_shape)
+    return exchange(x, routes.send_rows.to(x.device), routes.send_splits, routes.recv_splits, group, order, sized)

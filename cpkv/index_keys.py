@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpkv.collectives import BackwardOrder, exchange_backward_op, group_name, resolve_group
+from cpkv.collectives import BackwardOrder, exchange_backward_op, exchange_sized_backward_op, group_name, resolve_group
 from cpkv.plan.routes import Routes
 
 INDEX_KEY_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
@@ -140,6 +140,36 @@ def _exchange_keys_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Ten
 _exchange_keys.register_autograd(_exchange_keys_grad, setup_context=_exchange_keys_setup)
 
 
+@torch.library.custom_op("cpkv::exchange_index_keys_sized", mutates_args=())
+def _exchange_keys_sized(
+    keys: Tensor, token: Tensor, send_rows: Tensor, host_splits: Tensor, recv_shape: Tensor, group: str, code: int
+) -> tuple[Tensor, Tensor]:
+    send_splits, recv_splits = host_splits.tolist()  # host data of the plan: no device sync
+    return _exchange_keys(keys, token, send_rows, send_splits, recv_splits, group, code)  # type: ignore[no-any-return]
+
+
+@_exchange_keys_sized.register_fake
+def _(
+    keys: Tensor, token: Tensor, send_rows: Tensor, host_splits: Tensor, recv_shape: Tensor, group: str, code: int
+) -> tuple[Tensor, Tensor]:
+    return keys.new_empty((recv_shape.shape[0], keys.shape[-1])), token.new_empty(())
+
+
+def _exchange_keys_sized_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    keys, _token, send_rows, host_splits, _shape, ctx.group, _code = inputs
+    ctx.num_rows = keys.shape[0]
+    ctx.save_for_backward(send_rows, host_splits)
+
+
+def _exchange_keys_sized_grad(ctx: Any, grad: Tensor, grad_token: Tensor) -> tuple[Tensor | None, ...]:
+    send_rows, host_splits = ctx.saved_tensors
+    back, grad_token = exchange_sized_backward_op(grad, grad_token, send_rows, ctx.num_rows, host_splits, ctx.group)
+    return back, grad_token, None, None, None, None, None
+
+
+_exchange_keys_sized.register_autograd(_exchange_keys_sized_grad, setup_context=_exchange_keys_sized_setup)
+
+
 def exchange_index_keys(
     keys: Tensor, routes: Routes, group: Any, dtype: torch.dtype | None, *, order: BackwardOrder | None = None
 ) -> Tensor:
@@ -148,13 +178,19 @@ def exchange_index_keys(
     The received keys equal ``round_index_keys`` of the sender's keys, in ``keys.dtype``.
     Backward: gradients go back along the same routes, in ``keys.dtype``.
     """
-    if not routes.any_traffic:
+    if not torch.compiler.is_compiling() and not routes.any_traffic:  # compiled: no branch on the packing
         return keys.new_zeros((0, *keys.shape[1:]))
     token = order.token if order is not None else keys.new_zeros((), dtype=torch.float32)
-    out, token = _exchange_keys(
-        keys, token, routes.send_rows.to(keys.device), list(routes.send_splits), list(routes.recv_splits),
-        group_name(group), key_code(dtype),
-    )
+    if torch.compiler.is_compiling() and routes.host_splits is not None and routes.recv_shape is not None:
+        out, token = _exchange_keys_sized(  # compiled: no int of the packing in the graph
+            keys, token, routes.send_rows.to(keys.device), routes.host_splits, routes.recv_shape, group_name(group),
+            key_code(dtype),
+        )
+    else:
+        out, token = _exchange_keys(
+            keys, token, routes.send_rows.to(keys.device), list(routes.send_splits), list(routes.recv_splits),
+            group_name(group), key_code(dtype),
+        )
     if order is not None:
         order.token = token
     received: Tensor = out

@@ -44,6 +44,7 @@ MODULE_ORDER = [
     "cpkv.plan.segments",
     "cpkv.plan.routes",
     "cpkv.plan.attention",
+    "cpkv.attention_spec",
     "cpkv.attention",
     "cpkv.compress_mode",
     "cpkv.backends.base",

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -30,7 +32,8 @@ from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.cost import CostModel
 from cpkv.v4 import V4Attention, V4Config
 
-__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "graphs_over_packings", "main"]
+__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "edge_packings", "graphs_over_packings",
+           "lognormal_packing", "main"]
 
 MODES = {
     "window": V4Config(compress_ratio=0, window=8),
@@ -144,48 +147,133 @@ def compile_gqa(rank: int, world: int, cases: list[tuple[str, str, int]], backen
     return results
 
 
-def graphs_over_packings(rank: int, world: int, mode: str, packings: int, backend: str, tokens: int = 96) -> list[int]:
-    """Graphs Dynamo holds for ``V4Attention.forward`` after each of ``packings`` steps (need exchange, contiguous).
+def edge_packings(tokens: int, world: int, ratio: int, unit: int = 1) -> list[list[int]]:
+    """The edge packings of ``tokens`` (document lengths, multiples of ``unit``): one document, a
+    document shorter than the ratio, many tiny documents, a rank owning no entry (the last rank's
+    documents all shorter than the ratio), one block straddling each rank boundary, and documents
+    cut at the rank boundaries (no halo traffic in the need exchange)."""
+    ratio = max(ratio, 2)
+    local = tokens // world
+    short = max(unit, (ratio - 1) // unit * unit)
+    tiny = unit * max(1, (ratio // 2) // unit)
+    last = [tiny] * ((tokens - local * (world - 1)) // tiny)
+    packings = [
+        [tokens],
+        [short, tokens - short],
+        [tiny] * (tokens // tiny),
+        [local * (world - 1), *last] if sum(last) == tokens - local * (world - 1) else [tokens],
+        [unit * max(1, (ratio // 2) // unit), tokens - unit * max(1, (ratio // 2) // unit)],
+        [local] * world,
+    ]
+    return [[n for n in lengths if n] for lengths in packings]
 
-    Every step packs the same ``tokens`` into new random documents (1-7 of them, the same
-    boundaries on every rank) and runs the compiled layer forward and backward; the count is
-    Dynamo's ``unique_graphs`` for the one compiled function, so a step that recompiled adds one.
-    Dynamo's recompile limit is raised to 64 here so that the count can pass the default (8),
-    where ``fullgraph=True`` fails and ``fullgraph=False`` runs the function eagerly.
+
+def lognormal_packing(rng: Any, tokens: int, unit: int = 1, mean: float = 3.0, sigma: float = 1.0) -> list[int]:
+    """Documents of log-normal lengths (multiples of ``unit``, median ``e**mean``) filling ``tokens``."""
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        n = max(unit, int(rng.lognormvariate(mean, sigma)) // unit * unit)
+        lengths.append(min(n, tokens - sum(lengths)))
+    return lengths
+
+
+def graphs_over_packings(
+    rank: int, world: int, mode: str, packings: int, backend: str, tokens: int = 96, layout: str = "contiguous",
+    exchange: str = "need", ring: int = 1, target: str = "layer", recompile_limit: int | None = None,
+    size_oblivious: bool = False,
+) -> dict[str, Any]:
+    """Graphs Dynamo holds for one compiled layer call after each of ``packings`` steps.
+
+    The first steps are the :func:`edge_packings`, the others pack the same ``tokens`` into new
+    log-normal documents (:func:`lognormal_packing`, the same boundaries on every rank); each runs
+    the compiled call (``V4Attention.forward``, or ``attention_forward`` itself with ``target=
+    "attention"``) forward and backward. ``graphs``: Dynamo's ``unique_graphs`` after each step
+    (a step that recompiled adds one); ``failed``: the step (1-based) whose call raised (for example
+    ``FailOnRecompileLimitHit`` at Dynamo's default limit of 8 graphs, ``recompile_limit=None``), else 0,
+    and ``reason`` its exception;
+    ``seconds``: each step's wall time; ``error``: max relative difference of the last step vs eager,
+    ``eager_seconds``: that eager step's wall time.
+    ``size_oblivious``: set ``torch.fx.experimental._config.backed_size_oblivious`` (PyTorch's switch
+    that keeps dynamic sizes of 0 and 1 symbolic instead of specialising them).
     """
     import random
 
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.config.recompile_limit = 64
+    if recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = recompile_limit
+    if size_oblivious:
+        import torch.fx.experimental._config
+
+        torch.fx.experimental._config.backed_size_oblivious = True
     config = MODES[mode]
     layer = V4Attention(config, seed=5)
-    compiled = torch.compile(layer.forward, fullgraph=True, backend=backend)
+    fn = layer.forward if target == "layer" else functools.partial(attention_call, layer)
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
     torch._dynamo.reset()
     counters.clear()
     rng, gen = random.Random(0), torch.Generator().manual_seed(1)
     ratios = [config.compress_ratio] if config.mode.compresses else []
-    graphs = []
-    for _ in range(packings):
-        cuts = sorted(rng.sample(range(1, tokens), rng.randint(0, 6)))
-        cu = seqlens_to_cu_seqlens([b - a for a, b in zip([0, *cuts], [*cuts, tokens])])
-        plan = plan_attention(cu, world, rank, exchange="need", compress_ratios=ratios, windows=[config.window],
-                              cost_model=CostModel.from_v4(config))
+    unit = 2 * world if layout == "zigzag" else 1
+    tokens = tokens // (2 * world) * (2 * world)
+    steps = edge_packings(tokens, world, config.compress_ratio, unit)
+    graphs: list[int] = []
+    seconds: list[float] = []
+    failed, error, reason, eager_seconds = 0, 0.0, "", 0.0
+    for step in range(packings):
+        lengths = steps[step] if step < len(steps) else lognormal_packing(rng, tokens, unit)
+        plan = plan_attention(seqlens_to_cu_seqlens(lengths), world, rank, layout=layout,  # type: ignore[arg-type]
+                              exchange=exchange, ring_degree=ring, compress_ratios=ratios,  # type: ignore[arg-type]
+                              windows=[config.window], cost_model=CostModel.from_v4(config))
         x, grad = (torch.randn(plan.local_len, config.hidden, generator=gen) for _ in range(2))
-        _call(layer, compiled, x, plan, grad)
+        start = time.perf_counter()
+        try:
+            got = _call(layer, compiled, x, plan, grad)
+        except Exception as exc:  # noqa: BLE001 - reported as the failing step
+            failed, reason = step + 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            if os.environ.get("CPKV_BENCH_TRACEBACK"):
+                traceback.print_exc()
+            break
+        seconds.append(time.perf_counter() - start)
         graphs.append(int(counters["stats"]["unique_graphs"]))
-    return graphs
+        if step == packings - 1:
+            start = time.perf_counter()
+            eager = _call(layer, fn, x, plan, grad)
+            eager_seconds = time.perf_counter() - start
+            error = max(float((c - e).abs().max() / e.abs().max().clamp(min=1e-12)) for c, e in zip(got, eager))
+    return {"graphs": graphs, "failed": failed, "seconds": seconds, "error": error, "reason": reason, "eager_seconds": eager_seconds}
 
 
-def _packings_table(cp: int, packings: int, backend: str, modes: list[str]) -> None:
-    print(f"| mode (need exchange, cp {cp}) | graphs per rank after {packings} packings | step of the last new graph, per rank |")
-    print("|---|---|---|")
+PACKING_CASES = [(layout, exchange, 1) for layout in LENGTHS for exchange in ("need", "allgather")] + [("contiguous", "need", 2)]
+
+
+def _packings_table(
+    cp: int, packings: int, backend: str, modes: list[str], target: str, limit: int | None, oblivious: bool, tokens: int,
+    layouts: list[str] | None = None,
+) -> None:
+    where = "V4Attention.forward" if target == "layer" else "attention_forward"
+    print(f"{where}, cp {cp}, {tokens} tokens, {packings} packings, backend {backend}, recompile_limit {limit or 'default (8)'},"
+          f" backed_size_oblivious {oblivious}\n")
+    print("| mode | layout | exchange | graphs per rank | failed at step | step of the last new graph | compile s per step"
+          " (mean over steps) | compiled step s (median) | eager step s (last) | max rel. error vs eager (last step) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
-        per_rank = spawn(graphs_over_packings, cp, mode, packings, backend, timeout=900.0)
-        last = [next(i + 1 for i, g in enumerate(graphs) if g == graphs[-1]) for graphs in per_rank]
-        print(f"| {mode} | {', '.join(str(g[-1]) for g in per_rank)} | {', '.join(map(str, last))} |", flush=True)
-    print("\n(Dynamo's default recompile limit: 8 graphs per function; raised to 64 for this count)")
+        for layout, exchange, ring in PACKING_CASES:
+            if layouts and layout not in layouts:
+                continue
+            per_rank = spawn(graphs_over_packings, cp, mode, packings, backend, tokens, layout, exchange, ring, target, limit,
+                             oblivious, timeout=900.0)
+            graphs = [r["graphs"][-1] if r["graphs"] else 0 for r in per_rank]
+            last = [next(i + 1 for i, g in enumerate(r["graphs"]) if g == r["graphs"][-1]) if r["graphs"] else 0 for r in per_rank]
+            failed = [r["failed"] for r in per_rank]
+            secs = per_rank[0]["seconds"]
+            steady = sorted(secs)[len(secs) // 2] if secs else 0.0
+            compile_s = sum(max(0.0, t - steady) for t in secs) / max(1, len(secs))
+            name = exchange + (f", ring {ring}" if ring > 1 else "")
+            print(f"| {mode} | {layout} | {name} | {', '.join(map(str, graphs))} | {', '.join(str(f) if f else '-' for f in failed)}"
+                  f" | {', '.join(map(str, last))} | {compile_s:.2f} | {steady:.3f} | {per_rank[0]['eager_seconds']:.3f}"
+                  f" | {per_rank[0]['error']:.1e} |", flush=True)
 
 
 def main() -> int:
@@ -196,9 +284,17 @@ def main() -> int:
     parser.add_argument("--packings", type=int, default=0,
                         help="instead: the graphs each mode's layer compiles over this many random packings")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="with --packings")
+    parser.add_argument("--target", default="layer", choices=["layer", "attention"],
+                        help="with --packings: V4Attention.forward or attention_forward itself")
+    parser.add_argument("--recompile-limit", type=int, default=None, help="with --packings (default: Dynamo's, 8)")
+    parser.add_argument("--size-oblivious", action="store_true",
+                        help="with --packings: torch.fx.experimental._config.backed_size_oblivious = True")
+    parser.add_argument("--tokens", type=int, default=96, help="with --packings: tokens per packing")
+    parser.add_argument("--layouts", nargs="+", default=None, choices=list(LENGTHS), help="with --packings (default: all)")
     args = parser.parse_args()
     if args.packings:
-        _packings_table(args.cp, args.packings, args.backend, args.modes)
+        _packings_table(args.cp, args.packings, args.backend, args.modes, args.target, args.recompile_limit,
+                        args.size_oblivious, args.tokens, args.layouts)
         return 0
     print(f"| case | fullgraph | graph breaks | first call s ({args.backend}) | max rel. error vs eager |")
     print("|---|---|---|---|---|")

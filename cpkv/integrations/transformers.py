@@ -103,7 +103,7 @@ class _Pooler:
         """Entries ``[N_c, head_dim]`` of the blocks of ``plan`` in ``x`` ``[N_in, hidden]``, or ``None``."""
         if plan.ratio != self.ratio:
             raise ValueError(f"plan.ratio ({plan.ratio}) must equal the compressor's ratio ({self.ratio})")
-        if plan.num_entries == 0:
+        if not torch.compiler.is_compiling() and plan.num_entries == 0:  # compiled: [0, head_dim], no branch
             return None
         m, hd = self.ratio, self.head_dim
         rows = plan.block_starts.to(x.device)[:, None] + torch.arange(m, device=x.device)  # [N_c, m]
@@ -119,7 +119,7 @@ class _Pooler:
         weights = slot_gate.softmax(dim=1, dtype=_compute_dtype(slot_gate.dtype)).to(slot_kv.dtype)
         pooled = (slot_kv * weights).sum(dim=1)
         normed = _rms_norm(pooled, self.module.kv_norm.weight, rms_norm_eps(self.module.kv_norm))
-        return self.rope(normed, plan.entry_positions)
+        return self.rope(normed, plan.entry_positions[: normed.shape[0]])  # compiled: the rows' own size
 
 
 class _PooledBlocks:

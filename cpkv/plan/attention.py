@@ -12,6 +12,7 @@ and, per compress ratio, the compressor's blocks and the entries' routes.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from types import MappingProxyType
@@ -152,7 +153,7 @@ class AttentionPlan:
         """
         target = torch.device(device)
         moved: AttentionPlan = _map_tensors(self, lambda t: t.to(target, non_blocking=non_blocking))
-        return moved
+        return mark_sizes_dynamic(moved)
 
     def pin_memory(self) -> AttentionPlan:
         """The plan with every CPU tensor in pinned (page-locked) memory (needs CUDA; the :attr:`shards` stay as they are)."""
@@ -222,19 +223,44 @@ class AttentionPlan:
         return self.kv[window]
 
 
-def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor of its (nested) dataclasses, tuples and mappings; layouts and cost models kept."""
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor], host: bool = False) -> Any:
+    """``obj`` with ``fn`` applied to every tensor of its (nested) dataclasses, tuples and mappings; layouts and cost
+    models kept, and the fields a dataclass names in ``host_fields`` (host data) unless ``host``."""
     if isinstance(obj, Tensor):
         return fn(obj)
     if isinstance(obj, (ShardLayout, CostModel)):
         return obj
     if isinstance(obj, tuple):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        return type(obj)(_map_tensors(v, fn, host) for v in obj)
     if isinstance(obj, Mapping):
-        return MappingProxyType({k: _map_tensors(v, fn) for k, v in obj.items()})
+        return MappingProxyType({k: _map_tensors(v, fn, host) for k, v in obj.items()})
     if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj)})
+        kept = () if host else getattr(obj, "host_fields", ())
+        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn, host) for f in fields(obj) if f.name not in kept})
     return obj
+
+
+def mark_sizes_dynamic(plan: AttentionPlan) -> AttentionPlan:
+    """``plan`` with every size of every tensor marked dynamic for ``torch.compile`` (returned as is).
+
+    A compiled layer then traces the plan's tensors with symbolic sizes from its first graph, and
+    a new packing (other sizes) reuses that graph instead of recompiling once per tensor whose
+    size changes for the first time (``torch._dynamo.maybe_mark_dynamic``: only a hint, no error
+    where a size stays static). Only when Dynamo is loaded (``torch.compile`` was called in this
+    process): eager runs neither import it nor pay for it. :func:`plan_attention` and
+    :meth:`AttentionPlan.to` call it.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return plan
+    import torch._dynamo
+
+    def mark(t: Tensor) -> Tensor:
+        if t.ndim:
+            torch._dynamo.maybe_mark_dynamic(t, list(range(t.ndim)))
+        return t
+
+    _map_tensors(plan, mark, host=True)
+    return plan
 
 
 def _full_prefix(layout: ShardLayout, rank: int, ratios: Sequence[int]) -> SegmentPlan:
@@ -385,8 +411,8 @@ def plan_attention(
         ([3, 4, 5, 6, 0, 1, 2, 3], 5)
     """
     def build() -> AttentionPlan:
-        return _build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios, windows,
-                           prev_blocks, check_modules, padding, cost_model, max_tokens_ratio)
+        return mark_sizes_dynamic(_build_plan(cu_seqlens, cp_size, cp_rank, layout, exchange, ring_degree, compress_ratios,
+                                              windows, prev_blocks, check_modules, padding, cost_model, max_tokens_ratio))
 
     if group is None:
         return build()

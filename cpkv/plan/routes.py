@@ -27,12 +27,29 @@ class Routes:
         recv_splits: rows received from each rank (``cp`` entries); received rows are
             concatenated in source-rank order, which is natural packed order.
         any_traffic: whether any rank sends anything (identical on every rank).
+        host_splits: ``[2, cp]`` int64 on the host: ``send_splits`` and ``recv_splits`` as a
+            tensor (made from them when not given). A compiled layer passes them so, with
+            ``recv_shape``, and its graph does not specialise on the packing's counts.
+        recv_shape: ``[num_recv, 0]`` (no storage): the received row count as a tensor size
+            (made when not given), dynamic under ``torch.compile``
+            (:func:`cpkv.plan.attention.mark_sizes_dynamic`).
     """
 
     send_rows: Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     any_traffic: bool
+    host_splits: Tensor | None = None
+    recv_shape: Tensor | None = None
+
+    host_fields = ("host_splits",)  # stay on the host when the plan moves to a device (AttentionPlan.to)
+
+    def __post_init__(self) -> None:
+        if self.host_splits is None:
+            splits = torch.tensor([list(self.send_splits), list(self.recv_splits)], dtype=torch.int64)
+            object.__setattr__(self, "host_splits", splits.reshape(2, len(self.send_splits)))
+        if self.recv_shape is None:
+            object.__setattr__(self, "recv_shape", torch.empty((self.num_recv, 0), device=self.send_rows.device))
 
     @property
     def num_recv(self) -> int:
@@ -95,6 +112,10 @@ class CompressedRoutes:
         entry_rows: ``[N_c]`` int64 rows of ``[received ; owned]`` forming the entry buffer (per
             document of the rank, its entries in order), or ``None``: that concatenation is it.
         visible: which entries of the entry buffer each local query sees.
+        straddle_own_index, straddle_index, entry_index: ``straddle_own``, ``straddle_order`` and
+            ``entry_rows``, each a tensor also where that is ``None`` (the identity rows; made
+            when not given): what a compiled layer reads, so that its graph does not depend
+            on whether a packing needs a reorder.
     """
 
     hidden: Routes
@@ -106,6 +127,19 @@ class CompressedRoutes:
     straddle_order: Tensor | None = None
     entry_rows: Tensor | None = None
     visible: EntryVisibility | None = None
+    straddle_own_index: Tensor | None = None
+    straddle_index: Tensor | None = None
+    entry_index: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        device = self.straddle.block_starts.device
+        for name, given, size in (
+            ("straddle_own_index", self.straddle_own, self.straddle_rows),
+            ("straddle_index", self.straddle_order, self.hidden.num_recv + self.straddle_rows),
+            ("entry_index", self.entry_rows, self.entries.num_recv + self.num_owned),
+        ):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, given if given is not None else torch.arange(size, device=device))
 
     @property
     def num_owned(self) -> int:
@@ -122,11 +156,19 @@ class RingRound:
             ranges reads them).
         ranges: per query, the visible keys among the round's rows in index order.
         rows: ``[n]`` int64 rows of the received buffer in index order, or ``None``: already so.
+        index: ``rows``, or the identity rows where that is ``None`` (made when not given; what a
+            compiled layer reads).
     """
 
     routes: Routes
     ranges: KeyRanges
     rows: Tensor | None = None
+    index: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.index is None:
+            identity = torch.arange(self.routes.num_recv, device=self.routes.send_rows.device)
+            object.__setattr__(self, "index", self.rows if self.rows is not None else identity)
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,6 +184,8 @@ class KVSource:
         rounds: ring rounds carrying the remote rows (``ring_degree > 1``), else empty.
         rows: need exchange: ``[n]`` int64 rows of ``[received ; own]`` forming the buffer, or
             ``None``: that concatenation is the buffer (the contiguous layout).
+        index: need exchange: ``rows``, or the identity rows where that is ``None`` (made when not
+            given; what a compiled layer reads); ``None`` without a halo.
     """
 
     halo: Routes | None
@@ -149,3 +193,10 @@ class KVSource:
     segments: SegmentPlan
     rounds: tuple[RingRound, ...]
     rows: Tensor | None = None
+    index: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.index is None and self.halo is not None:
+            size = self.halo.num_recv + self.segments.num_queries  # [received ; own]: every own row
+            identity = torch.arange(size, device=self.segments.q_positions.device)
+            object.__setattr__(self, "index", self.rows if self.rows is not None else identity)

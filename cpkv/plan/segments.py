@@ -60,6 +60,9 @@ class EntryVisibility:
         visible_count: ``[T_q]`` int64 number of visible entries, ``floor((t + 1) / m)``.
         num_entries: ``N_c`` entries of the prefix.
         max_visible: ``max(visible_count)`` (0 if no query), a host int.
+        slots: ``[max_visible]`` int64 ``0, 1, ...`` on ``visible_start``'s device (made when not
+            given): ``max_visible`` as a tensor size, so that a compiled call has no int of the
+            packing in its graph.
     """
 
     ratio: int
@@ -68,10 +71,15 @@ class EntryVisibility:
     visible_count: Tensor
     num_entries: int
     max_visible: int
+    slots: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            object.__setattr__(self, "slots", torch.arange(self.max_visible, device=self.visible_start.device))
 
     def visible_indices(self, offset: int = 0) -> Tensor:
         """``[T_q, max_visible]`` int64: ``offset +`` rows of every visible entry, -1 padded."""
-        slots = torch.arange(self.max_visible, device=self.visible_start.device)
+        slots = self.slots if self.slots is not None else torch.arange(self.max_visible, device=self.visible_start.device)
         rows = self.visible_start[:, None] + slots + offset
         return torch.where(slots < self.visible_count[:, None], rows, -1)
 

@@ -27,6 +27,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     r1, r2 = (tail[..., 0::2], tail[..., 1::2]) if interleaved else (tail[..., :half], tail[..., half:])
     y1 = (r1 * cos).sub_(r2 * sin)
     y2 = (r1 * sin).addcmul_(r2, cos)
+    if torch.compiler.is_compiling():  # out of place: no copy_, whose broadcast check guards on N >= 2
+        rotated = torch.stack([y1, y2], dim=-1).flatten(-2) if interleaved else torch.cat([y1, y2], dim=-1)
+        return torch.cat([x[..., : x.shape[-1] - 2 * half], rotated.to(x.dtype)], dim=-1)
     dest = out[..., -2 * half:]
     o1, o2 = (dest[..., 0::2], dest[..., 1::2]) if interleaved else (dest[..., :half], dest[..., half:])
     o1.copy_(y1)  # cast back to x's dtype
