@@ -21,7 +21,7 @@ Every rank builds the same packed micro-batch (six documents; in training, a dat
    summation order, measured <= 4e-14 at cp 2 and 3; a key of another document or one future key
    moves the output by > 1). The script exits 1 otherwise.
 
-It imports cpkv (and with it ``torch._dynamo``) before ``init_process_group``:
+It imports cpkv (and with it ``torch.distributed.nn``) before ``init_process_group``:
 docs/troubleshooting.md ("A torchrun job aborts at exit") says why.
 """
 
