@@ -139,7 +139,7 @@ def test_mindspeed_page_cites_tests_that_exist() -> None:
 
 
 MATRIX_ROWS = ["HF model", "HF Trainer", "FSDP2", "memory", "Megatron core attention", "Megatron DeepSeek-V4 layers",
-               "MindSpeed-LLM", "torchtitan", "DeepSpeed", "TP/SP x CP", "MTP", "inference / prefill", "GPU", "NPU"]
+               "MindSpeed-LLM", "torchtitan", "DeepSpeed", "TP/SP x CP", "MTP", "torch.compile", "inference / prefill", "GPU", "NPU"]
 
 
 def test_readme_support_matrix_has_every_row_and_column() -> None:
