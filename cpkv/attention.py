@@ -106,15 +106,24 @@ def _kv_parts(kv: Tensor, plan: AttentionPlan, source: KVSource, group: Group, o
     if source.halo is None:
         return [kv]
     halo = exchange_rows(kv, source.halo, group, order=order)
-    if torch.compiler.is_compiling() and source.index is not None:  # compiled: the same ops for every packing
-        return [torch.cat([halo, kv]).index_select(0, source.index.to(kv.device))]
-    if source.rows is not None:  # ranges read rows in another order than [received ; own]
-        return [torch.cat([halo, kv]).index_select(0, source.rows.to(kv.device))]
+    rows = _row_order(source.rows, source.index)
+    if rows is not None:  # ranges read rows in another order than [received ; own]
+        return [torch.cat([halo, kv]).index_select(0, rows.to(kv.device))]
     return [halo, kv] if torch.compiler.is_compiling() or source.halo.num_recv else [kv]
 
 
 def _concat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _row_order(rows: Tensor | None, index: Tensor | None) -> Tensor | None:
+    """The rows to ``index_select`` a received buffer by, or ``None`` for none.
+
+    Eager: the plan's ``rows`` (``None`` where the buffer is in order already). Compiled: its
+    always-tensor ``index`` (the identity where no reorder is needed), so that the graph makes the
+    same ops for every packing.
+    """
+    return index if index is not None and torch.compiler.is_compiling() else rows
 
 
 def _exchanged(kv: Tensor, v: Tensor | None) -> Tensor:
@@ -236,17 +245,14 @@ def _entries(
         owned = _concat(parts) if parts else kv.new_zeros((0, kv.shape[-1]))
         received = exchange_rows(owned, routes.entries, group, order=order)
         parts = [t for t in (received, owned) if torch.compiler.is_compiling() or t.shape[0]]
-        if torch.compiler.is_compiling() and routes.entry_index is not None:  # compiled: the same ops for every packing
-            parts = [_concat(parts).index_select(0, routes.entry_index)]
-        elif routes.entry_rows is not None and parts:  # documents' entries in another order than [received ; owned]
-            parts = [_concat(parts).index_select(0, routes.entry_rows)]
+        entry_order = _row_order(routes.entry_rows, routes.entry_index)
+        if entry_order is not None and parts:  # documents' entries in another order than [received ; owned]
+            parts = [_concat(parts).index_select(0, entry_order)]
         if keys is not None:
             got = exchange_index_keys(keys, routes.entries, group, spec.index_key_dtype, order=order)
             keys = torch.cat([got, round_index_keys(keys, spec.index_key_dtype)])
-            if torch.compiler.is_compiling() and routes.entry_index is not None:
-                keys = keys.index_select(0, routes.entry_index)
-            elif routes.entry_rows is not None:
-                keys = keys.index_select(0, routes.entry_rows)
+            if entry_order is not None:
+                keys = keys.index_select(0, entry_order)
     elif keys is not None:
         keys = round_index_keys(keys, spec.index_key_dtype)
     if not parts or keys is None or computed.queries is None:
@@ -389,10 +395,9 @@ def attention_forward(
         parts = [local]
         for ring_round in source.rounds:
             rows = exchange_rows(moved, ring_round.routes, group, order=order)
-            if torch.compiler.is_compiling() and ring_round.index is not None:  # compiled: the same ops for every packing
-                rows = rows.index_select(0, ring_round.index.to(rows.device))
-            elif ring_round.rows is not None:  # into index order
-                rows = rows.index_select(0, ring_round.rows.to(rows.device))
+            round_order = _row_order(ring_round.rows, ring_round.index)
+            if round_order is not None:  # into index order
+                rows = rows.index_select(0, round_order.to(rows.device))
             # empty rounds make no call (compiled: every round does, an empty one merging as nothing)
             if torch.compiler.is_compiling() or (ring_round.ranges.num_rows and ring_round.ranges.num_keys):
                 keys, values = _heads(rows, q.shape[-1], spec.d_v, v is not None)

@@ -13,7 +13,7 @@ and, per compress ratio, the compressor's blocks and the entries' routes.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
@@ -223,21 +223,36 @@ class AttentionPlan:
         return self.kv[window]
 
 
-def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor], host: bool = False) -> Any:
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """``obj`` with ``fn`` applied to every tensor of its (nested) dataclasses, tuples and mappings; layouts and cost
-    models kept, and the fields a dataclass names in ``host_fields`` (host data) unless ``host``."""
+    models kept, and the fields a dataclass names in ``host_fields`` (host data)."""
     if isinstance(obj, Tensor):
         return fn(obj)
     if isinstance(obj, (ShardLayout, CostModel)):
         return obj
     if isinstance(obj, tuple):
-        return type(obj)(_map_tensors(v, fn, host) for v in obj)
+        return type(obj)(_map_tensors(v, fn) for v in obj)
     if isinstance(obj, Mapping):
-        return MappingProxyType({k: _map_tensors(v, fn, host) for k, v in obj.items()})
+        return MappingProxyType({k: _map_tensors(v, fn) for k, v in obj.items()})
     if is_dataclass(obj) and not isinstance(obj, type):
-        kept = () if host else getattr(obj, "host_fields", ())
-        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn, host) for f in fields(obj) if f.name not in kept})
+        kept = getattr(obj, "host_fields", ())
+        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.name not in kept})
     return obj
+
+
+def _tensors(obj: Any) -> Iterator[Tensor]:
+    """Every tensor of ``obj``'s (nested) dataclasses, tuples and mappings, host fields included (read only)."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _tensors(value)
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif is_dataclass(obj) and not isinstance(obj, (type, ShardLayout, CostModel)):
+        for f in fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 def mark_sizes_dynamic(plan: AttentionPlan) -> AttentionPlan:
@@ -254,12 +269,9 @@ def mark_sizes_dynamic(plan: AttentionPlan) -> AttentionPlan:
         return plan
     import torch._dynamo
 
-    def mark(t: Tensor) -> Tensor:
+    for t in _tensors(plan):
         if t.ndim:
             torch._dynamo.maybe_mark_dynamic(t, list(range(t.ndim)))
-        return t
-
-    _map_tensors(plan, mark, host=True)
     return plan
 
 

@@ -79,7 +79,8 @@ class EntryVisibility:
 
     def visible_indices(self, offset: int = 0) -> Tensor:
         """``[T_q, max_visible]`` int64: ``offset +`` rows of every visible entry, -1 padded."""
-        slots = self.slots if self.slots is not None else torch.arange(self.max_visible, device=self.visible_start.device)
+        slots = self.slots
+        assert slots is not None  # made by __post_init__
         rows = self.visible_start[:, None] + slots + offset
         return torch.where(slots < self.visible_count[:, None], rows, -1)
 
