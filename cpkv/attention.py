@@ -137,11 +137,13 @@ def _heads(rows: Tensor, dim: int, d_v: int, separate: bool) -> tuple[Tensor, Te
     ``rows`` is ``[n, D]`` (one shared head: the values are its first ``d_v`` channels),
     ``[n, H_kv, D]`` (shared heads) or, when ``separate``, ``[n, H_kv, D + d_v]`` (keys, then values).
     """
-    if rows.ndim == 2:
-        return rows[:, None], rows[:, None, :d_v]
-    if separate:
-        return rows[..., :dim], rows[..., dim:]
-    return rows, rows[..., :d_v]
+    # channels by split, whose backward concatenates: a slice's backward scatters into zeros, and
+    # inductor's reinplacing of that scatter guards on n being < 2 (a recompile as packings change)
+    if separate and rows.ndim == 3:
+        keys, values = torch.split(rows, [dim, rows.shape[-1] - dim], dim=-1)
+        return keys, values
+    heads = rows[:, None] if rows.ndim == 2 else rows
+    return heads, torch.split(heads, [d_v, heads.shape[-1] - d_v], dim=-1)[0]
 
 
 def _compress_own(

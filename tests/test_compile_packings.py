@@ -9,9 +9,10 @@ Dynamo's recompile limit stays at its default (8, where ``fullgraph=True`` raise
 ``torch.fx.experimental._config.backed_size_oblivious`` set (PyTorch's switch that keeps dynamic
 sizes of 0 and 1 symbolic; without it every size that is sometimes 0 or 1 recompiles once).
 Each case: at most 2 graphs on every rank (the first, and one with symbolic sizes), no step
-failed, and the last step's outputs and gradients equal eager. A cover of the compress modes,
-layouts, exchanges and ring degrees (``python -m cpkv.bench.torch_compile --packings 50
---size-oblivious`` measures all of them); one spawn of its own (Dynamo's configuration).
+failed, and the last step's outputs and gradients equal eager. Twelve cases: every compress mode
+with every layout, with both exchanges and with ring 2, two of them through ``attention_forward``
+(``python -m cpkv.bench.torch_compile --packings 50 --size-oblivious`` measures all 28 mode x layout x
+exchange cases); one spawn of its own (Dynamo's configuration).
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ from cpkv.bench.torch_compile import case_id, graphs_over_packings
 from cpkv.launch import spawn
 
 PACKINGS = 20
-CASES = [
-    ("compressor", "balanced", "need", 1, "layer"),
+CASES = [  # every mode x layout; every mode with both exchanges and ring 2; attention_forward for two
+    ("compressor", "contiguous", "need", 2, "layer"),
+    ("compressor", "zigzag", "allgather", 1, "layer"),
+    ("compressor", "balanced", "need", 1, "attention"),
+    ("indexer", "contiguous", "allgather", 1, "layer"),
     ("indexer", "zigzag", "need", 1, "layer"),
-    ("indexer", "contiguous", "need", 2, "attention"),
+    ("indexer", "balanced", "need", 2, "attention"),
+    ("window", "contiguous", "need", 2, "layer"),
+    ("window", "zigzag", "allgather", 1, "layer"),
     ("window", "balanced", "need", 1, "layer"),
-    ("dense", "zigzag", "allgather", 1, "layer"),
-    ("compressor", "contiguous", "allgather", 1, "attention"),
+    ("dense", "contiguous", "allgather", 1, "layer"),
+    ("dense", "zigzag", "need", 2, "layer"),
+    ("dense", "balanced", "allgather", 1, "layer"),
 ]
 
 
@@ -48,11 +55,11 @@ def _every_case(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict[str, Any]]]:
-    per_rank = spawn(_every_case, 2, timeout=540.0)
+    per_rank = spawn(_every_case, 2, timeout=900.0)
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 
 
-@pytest.mark.timeout(560)
+@pytest.mark.timeout(920)
 @pytest.mark.parametrize("case", [_name(*c) for c in CASES])
 def test_at_most_two_graphs_per_rank_over_twenty_packings(runs: dict[str, list[dict[str, Any]]], case: str) -> None:
     for rank, result in enumerate(runs[case]):

@@ -25,7 +25,7 @@ from cpkv.plan.segments import EntryVisibility, KeyRanges, SegmentPlan
 
 __all__ = [
     "AttentionBackend", "AttentionResult", "BackendName", "CompressedLayer", "CompressedLayerBackend", "CompressedResult",
-    "KeyRanges",
+    "KeyRanges", "unflatten_rows",
 ]
 
 BackendName = Literal["reference", "cuda", "npu", "auto"]
@@ -164,3 +164,14 @@ class CompressedLayerBackend(Protocol):
         entry rows; ``layer`` says the same in segment form), with the KL target of the columns
         ``>= probs_from`` when it is not ``None``."""
         ...
+
+
+def unflatten_rows(flat_indices: Tensor, num_rows: int) -> Tensor:
+    """``[T * K]`` indices (a sparse op's saved ``[T, K]``, flattened) back to ``[T, K]`` (``[0, 0]`` for ``T = 0``).
+
+    The sparse ops save their indices flat: a compiled backward's saved ``[T, K]`` with a dynamic
+    ``K`` has a symbolic stride, which AOTAutograd fixes to its first value under PyTorch's
+    ``backed_size_oblivious`` (the next width then fails the compiled backward's stride check).
+    Called inside the ops (opaque to the compiler), so ``K`` is recovered from the sizes.
+    """
+    return flat_indices.view(num_rows, -1) if num_rows else flat_indices.view(0, 0)

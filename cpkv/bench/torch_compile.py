@@ -199,8 +199,12 @@ def graphs_over_packings(
     import random
 
     import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
+    torch._inductor.config.fx_graph_cache = False  # every compile counted, none read from a cache
+    torch._functorch.config.enable_autograd_cache = False
     if recompile_limit is not None:
         torch._dynamo.config.recompile_limit = recompile_limit
     if size_oblivious:

@@ -80,9 +80,12 @@ class Compressor(nn.Module):
             prev = (rows - self.ratio).clamp(min=0)
             a_prev, z_prev = a_rows[prev], z_rows[prev] + ape
             first = (plan.entry_positions == 0)[:, None, None]
-            z_prev = z_prev[..., :d].masked_fill(first, float("-inf"))
-            a = torch.cat([a_prev[..., :d].masked_fill(first, 0.0), a[..., d:]], dim=1)
-            z = torch.cat([z_prev, z[..., d:]], dim=1)
+            # halves by split, whose backward concatenates: a slice's backward scatters into zeros, and
+            # inductor's reinplacing of that scatter guards on the block count being < 2 (a recompile)
+            (a_prev, _), (_, a), (z_prev, _), (_, z) = (torch.split(t, d, dim=-1) for t in (a_prev, a, z_prev, z))
+            z_prev = z_prev.masked_fill(first, float("-inf"))
+            a = torch.cat([a_prev.masked_fill(first, 0.0), a], dim=1)
+            z = torch.cat([z_prev, z], dim=1)
         pooled = (torch.softmax(z, dim=1) * a).sum(dim=1)
         normed = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight.to(pooled.dtype)
         positions = plan.entry_positions[: normed.shape[0]]  # compiled: the rows' own size (no guard on N_c < 2)

@@ -56,7 +56,7 @@ def test_opcheck_sparse_attention(dtype: torch.dtype, with_sinks: bool) -> None:
     torch.library.opcheck(OPS.sparse_attention, (q, kv, INDICES, sinks, 0.5, 3, 2))
     out, lse = OPS.sparse_attention(q, kv, INDICES, sinks, 0.5, 3, 2)
     d_out, d_lse = rand(*out.shape, seed=4).to(dtype), rand(*lse.shape, seed=5).to(lse.dtype)
-    args = (d_out, d_lse, q.detach(), kv.detach(), INDICES, out.detach(), lse.detach(),
+    args = (d_out, d_lse, q.detach(), kv.detach(), INDICES.reshape(-1), out.detach(), lse.detach(),
             None if sinks is None else sinks.detach(), 0.5, 3, 2)
     torch.library.opcheck(OPS.sparse_attention_backward, args)
     torch.library.opcheck(OPS.selected_probs, (q.detach(), kv.detach(), INDICES, lse.detach(), 0.5, 2))

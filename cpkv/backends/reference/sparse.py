@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpkv.backends.base import AttentionResult
+from cpkv.backends.base import AttentionResult, unflatten_rows
 from cpkv.backends.reference.common import (
     DEFAULT_BLOCK_SIZE,
     NEG_INF,
@@ -89,21 +89,22 @@ def _(q: Tensor, kv: Tensor, indices: Tensor, sinks: Tensor | None, scale: float
 
 @torch.library.custom_op("cpkv::sparse_attention_backward", mutates_args=())
 def sparse_attention_backward_op(
-    d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+    d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, flat_indices: Tensor, out: Tensor, lse: Tensor,
     sinks: Tensor | None, scale: float, d_v: int, block_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``cpkv::sparse_attention``, recomputing P per block; padding adds nothing to any kv row.
 
     Args:
         d_out: [T, H, d_v], d_lse: [T, H]: upstream gradients. out, lse: the forward's outputs.
-        q, kv, indices, sinks, scale, d_v, block_size: the forward's inputs.
+        flat_indices: the forward's ``[T, K]`` indices flattened to ``[T * K]``.
+        q, kv, sinks, scale, d_v, block_size: the forward's inputs.
 
     Returns:
         ``(dq, dkv, dsinks)`` in the dtypes of q, kv, sinks; dsinks is ``[H]``, or ``[0]`` without sinks.
     """
     acc = acc_dtype(q.dtype)
     qa, kv_ext, do, lse_a = q.to(acc), _extended(kv, acc), d_out.to(acc), lse.to(acc)
-    idx = padded_rows(indices, kv.shape[0])
+    idx = padded_rows(unflatten_rows(flat_indices, q.shape[0]), kv.shape[0])
     delta = (do * out.to(acc)).sum(-1) - d_lse.to(acc)
     dq, dkv = torch.zeros_like(qa), torch.zeros_like(kv_ext)
     for t0 in range(0, q.shape[0], block_size):
@@ -123,7 +124,7 @@ def sparse_attention_backward_op(
 
 
 @sparse_attention_backward_op.register_fake
-def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, flat_indices: Tensor, out: Tensor, lse: Tensor,
       sinks: Tensor | None, scale: float, d_v: int, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(kv), dsinks
@@ -131,14 +132,15 @@ def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out:
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, kv, indices, sinks, scale, d_v, block_size = inputs
-    ctx.save_for_backward(q, kv, indices, *output, sinks)
+    # indices saved flat (a compiled backward's saved [T, K] would have a symbolic stride): unflatten_rows
+    ctx.save_for_backward(q, kv, indices.reshape(-1), *output, sinks)
     ctx.scale, ctx.d_v, ctx.block_size = scale, d_v, block_size
 
 
 def _backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor | None, ...]:
-    q, kv, indices, out, lse, sinks = ctx.saved_tensors
+    q, kv, flat_indices, out, lse, sinks = ctx.saved_tensors
     dq, dkv, dsinks = sparse_attention_backward_op(
-        d_out, d_lse, q, kv, indices, out, lse, sinks, ctx.scale, ctx.d_v, ctx.block_size
+        d_out, d_lse, q, kv, flat_indices, out, lse, sinks, ctx.scale, ctx.d_v, ctx.block_size
     )
     return dq, dkv, None, None if sinks is None else dsinks, None, None, None
 

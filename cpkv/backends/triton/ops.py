@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cpkv.backends.base import unflatten_rows
 from cpkv.backends.triton.launches import AOTCase, KernelLaunch
 
 __all__ = [
@@ -391,19 +392,20 @@ def _launch_bwd(
 
 @torch.library.custom_op("cpkv_triton::sparse_attention_backward", mutates_args=())
 def sparse_attention_backward_op(
-    d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+    d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, flat_indices: Tensor, out: Tensor, lse: Tensor,
     sinks: Tensor | None, scale: float, d_v: int, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``cpkv_triton::sparse_attention`` (P recomputed from the saved LSE).
 
     Args:
         d_out: [T, H, d_v], d_lse: [T, H]: upstream gradients. out, lse: the forward's outputs.
-        q, kv, indices, sinks, scale, d_v, deterministic: the forward's inputs.
+        flat_indices: the forward's ``[T, K]`` indices flattened to ``[T * K]``.
+        q, kv, sinks, scale, d_v, deterministic: the forward's inputs.
 
     Returns:
         ``(dq, dkv, dsinks)`` in the dtypes of q, kv, sinks; dsinks is ``[H]``, or ``[0]`` without sinks.
     """
-    q, kv, idx = _prepare(q, kv, indices)
+    q, kv, idx = _prepare(q, kv, unflatten_rows(flat_indices, q.shape[0]))
     delta = ((d_out.float() * out.float()).sum(-1) - d_lse.float()).contiguous()
     lse32 = lse.float().contiguous()
     dq, dkv = _launch_bwd(d_out.contiguous(), q, kv, idx, lse32, delta, scale, d_v, deterministic)
@@ -414,7 +416,7 @@ def sparse_attention_backward_op(
 
 
 @sparse_attention_backward_op.register_fake
-def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out: Tensor, lse: Tensor,
+def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, flat_indices: Tensor, out: Tensor, lse: Tensor,
       sinks: Tensor | None, scale: float, d_v: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(kv), dsinks
@@ -422,14 +424,15 @@ def _(d_out: Tensor, d_lse: Tensor, q: Tensor, kv: Tensor, indices: Tensor, out:
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, kv, indices, sinks, scale, d_v, deterministic = inputs
-    ctx.save_for_backward(q, kv, indices, *output, sinks)
+    # indices saved flat (a compiled backward's saved [T, K] would have a symbolic stride): unflatten_rows
+    ctx.save_for_backward(q, kv, indices.reshape(-1), *output, sinks)
     ctx.scale, ctx.d_v, ctx.deterministic = scale, d_v, deterministic
 
 
 def _backward(ctx: Any, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor | None, ...]:
-    q, kv, indices, out, lse, sinks = ctx.saved_tensors
+    q, kv, flat_indices, out, lse, sinks = ctx.saved_tensors
     dq, dkv, dsinks = sparse_attention_backward_op(
-        d_out, d_lse, q, kv, indices, out, lse, sinks, ctx.scale, ctx.d_v, ctx.deterministic
+        d_out, d_lse, q, kv, flat_indices, out, lse, sinks, ctx.scale, ctx.d_v, ctx.deterministic
     )
     return dq, dkv, None, None if sinks is None else dsinks, None, None, None
 
