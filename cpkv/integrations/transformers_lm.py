@@ -295,6 +295,17 @@ def enable_deepseek_v4_cp(model: Any) -> Any:
     indexer). Call it once, before wrapping the model (DDP, FSDP, ``torch.compile``);
     calling it again changes nothing.
 
+    Compiled per decoder layer as torchtitan does (``layer.compile(fullgraph=True)`` for
+    each of ``model.model.layers``): use Hugging Face's ``"grouped_mm"`` experts (its default;
+    its ``"eager"`` experts stop the graph at a data-dependent size) and set
+    ``torch.fx.experimental._config.backed_size_oblivious = True``; each decoder layer type then
+    keeps at most 2 graphs as packings change (tests/integrations/test_hf_compile_layers.py,
+    ``python -m cpkv.bench.hf_compile``). The layers share one code object, so Dynamo's
+    ``recompile_limit`` (8) counts the graphs of every type together: raise it to at least twice
+    the number of layer types (attention type x MLP type) when that is above 8. Compiled, a
+    compressor's parameters get a gradient (zeros) also in a micro-batch where no document
+    reaches its ratio (eager: ``None``).
+
     Args:
         model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (any module holding one).
 
