@@ -81,6 +81,15 @@ CONTEXT_KWARG = "cpkv_context"
 """The keyword argument of a model's forward that carries the :class:`DeepseekV4CPContext`."""
 
 
+class _Record:
+    """One entry of a :class:`LayerRecords`: the layer (index or module) that recorded, its loss, the entry before it."""
+
+    def __init__(self, layer: Any, loss: Tensor | None, before: _Record | None) -> None:
+        self.layer = layer
+        self.loss = loss
+        self.before = before
+
+
 class LayerRecords(Mapping[int, "Tensor | None"]):
     """What the attention layers of one forward under CP wrote: layer index -> its indexer loss.
 
@@ -89,31 +98,51 @@ class LayerRecords(Mapping[int, "Tensor | None"]):
     input casting, DDP's ``_to_kwargs``) copy those and pass any other object through, so
     every copy of a :class:`DeepseekV4CPContext` holds this same object and the call reads
     what every layer wrote. One per forward; never shared between calls.
+
+    Held as a chain of entries, each pointing to the one before, that a layer extends by
+    replacing one attribute: a layer compiled with ``torch.compile`` writes without reading
+    what the layers before it wrote and without a layer index of its own in the graph
+    (Dynamo guards on the keys and values of a dict it writes into, and on a module's integer
+    attributes it reads: with a dict keyed by layer index every layer compiled a graph of its
+    own, and a model of many layers hit Dynamo's recompile limit). cpkv's layers record
+    themselves (the module), whose ``layer_idx`` is read when the mapping is read.
     """
 
-    __slots__ = ("_losses",)
+    __slots__ = ("_last",)
 
     def __init__(self) -> None:
-        self._losses: dict[int, Tensor | None] = {}
+        self._last = _Record(None, None, None)  # a root entry: every layer finds an entry, not None, before its own
 
-    def record(self, layer: int, loss: Tensor | None) -> None:
+    def record(self, layer: int | torch.nn.Module, loss: Tensor | None) -> None:
         """Layer ``layer`` ran under CP; ``loss``: its indexer loss (detached), ``None`` when it has none.
 
-        A layer recomputed by activation checkpointing records the same value again.
+        ``layer``: the layer index, or the attention module itself (its ``layer_idx`` is read
+        when the mapping is read: what a compiled layer passes, so that no index enters its
+        graph). A layer recomputed by activation checkpointing records again; the last record counts.
         """
-        self._losses[int(layer)] = loss
+        self._last = _Record(layer, loss, self._last)
+
+    def _losses(self) -> dict[int, Tensor | None]:
+        """Layer index -> its last recorded loss (read outside any compiled region)."""
+        losses: dict[int, Tensor | None] = {}
+        entry: _Record | None = self._last
+        while entry is not None and entry.layer is not None:
+            layer = entry.layer
+            losses.setdefault(layer if isinstance(layer, int) else int(layer.layer_idx), entry.loss)
+            entry = entry.before
+        return losses
 
     def __getitem__(self, layer: int) -> Tensor | None:
-        return self._losses[layer]
+        return self._losses()[layer]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(sorted(self._losses))
+        return iter(sorted(self._losses()))
 
     def __len__(self) -> int:
-        return len(self._losses)
+        return len(self._losses())
 
     def __repr__(self) -> str:
-        return f"LayerRecords(layers={sorted(self._losses)})"
+        return f"LayerRecords(layers={sorted(self._losses())})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,15 +205,22 @@ def _gradient_tie(module: Any, context: DeepseekV4CPContext) -> Tensor | None:
     indexer's without it: ``None`` there, as in Hugging Face, so an optimizer skips them (no
     weight decay, no moment update). Empty slices give exact zeros (no ``0 * x``, so no NaN
     from an inf).
+
+    Under ``torch.compile`` the compressor's parameters are tied in every micro-batch: a
+    compiled layer runs its pooling on zero blocks too (no branch on the block count), so they
+    get a gradient (zeros) also when no document reaches the ratio, where eager gives ``None``;
+    deciding here would add a graph per compressed layer type for such micro-batches (and guard
+    on ``longest_document``, a new integer every step).
     """
     compressor = module.compressor
     if compressor is None or not torch.is_grad_enabled():
         return None
-    longest = context.longest_document
-    if longest is None:
-        longest = _longest_document(context.plan)
-    if longest < int(compressor.compress_rate):
-        return None  # no block in the micro-batch: one process's compressor gets no gradient either
+    if not torch.compiler.is_compiling():
+        longest = context.longest_document
+        if longest is None:
+            longest = _longest_document(context.plan)
+        if longest < int(compressor.compress_rate):
+            return None  # no block in the micro-batch: one process's compressor gets no gradient either
     indexer = getattr(compressor, "indexer", None)
     untrained = set() if context.indexer_loss or indexer is None else {id(p) for p in indexer.parameters()}
     terms = [p.reshape(-1)[:0].sum() for p in compressor.parameters() if p.requires_grad and id(p) not in untrained]
@@ -219,7 +255,7 @@ def _cp_attention_forward(
         module, hidden_states[0], context.plan, context.group, backend=context.backend,
         indexer_loss=context.indexer_loss, grad_scale=context.grad_scale, rotary_emb=rotary_emb, status=context.status,
     )
-    context.records.record(int(module.layer_idx), indexer_loss)
+    context.records.record(module, indexer_loss)
     tie = _gradient_tie(module, context)
     return (out if tie is None else out + tie.to(out.dtype))[None], None
 
@@ -258,6 +294,17 @@ def enable_deepseek_v4_cp(model: Any) -> Any:
     for them (docs/integrations.md: DDP's ``find_unused_parameters=True``, or freeze the
     indexer). Call it once, before wrapping the model (DDP, FSDP, ``torch.compile``);
     calling it again changes nothing.
+
+    Compiled per decoder layer as torchtitan does (``layer.compile(fullgraph=True)`` for
+    each of ``model.model.layers``): use Hugging Face's ``"grouped_mm"`` experts (its default;
+    its ``"eager"`` experts stop the graph at a data-dependent size) and set
+    ``torch.fx.experimental._config.backed_size_oblivious = True``; each decoder layer type then
+    keeps at most 2 graphs as packings change (tests/integrations/test_hf_compile_layers.py,
+    ``python -m cpkv.bench.hf_compile``). The layers share one code object, so Dynamo's
+    ``recompile_limit`` (8) counts the graphs of every type together: raise it to at least twice
+    the number of layer types (attention type x MLP type) when that is above 8. Compiled, a
+    compressor's parameters get a gradient (zeros) also in a micro-batch where no document
+    reaches its ratio (eager: ``None``).
 
     Args:
         model: a ``DeepseekV4ForCausalLM`` or ``DeepseekV4Model`` (any module holding one).

@@ -15,8 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
-from types import MappingProxyType
-from typing import Any, Literal, get_args
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import torch
 from torch import Tensor
@@ -46,6 +45,47 @@ LayoutName = Literal["contiguous", "zigzag", "balanced", "custom"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 EXCHANGES: tuple[str, ...] = get_args(Exchange)
 
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class ReadOnlyMap(Mapping[_K, _V], Generic[_K, _V]):
+    """A read-only mapping over a private dict: what an :class:`AttentionPlan` holds per window and per ratio.
+
+    ``plan.kv[window]``, ``ratio in plan.compressed``, ``plan.prev_blocks.values()``: a
+    ``Mapping`` with no method that changes it. Not a ``types.MappingProxyType``, which
+    ``torch.compile`` does not trace (Dynamo stops at a proxy read: "mappingproxy affected by
+    dictionary mutation"); Dynamo inlines these methods as reads of a plain dict. Pickles as
+    its items (a plan made in a data-loader worker travels to the main process); equal to any
+    mapping with the same items.
+
+    Args:
+        items: the entries (copied: a later change to ``items`` does not reach the map).
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[_K, _V] | None = None) -> None:
+        self._items: dict[_K, _V] = dict(items) if items is not None else {}
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._items[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyMap({self._items!r})"
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[_K, _V]]]:
+        return ReadOnlyMap, (self._items,)
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionPlan:
@@ -73,6 +113,8 @@ class AttentionPlan:
         windows, compress_ratios: what was planned.
         prev_blocks: per planned ratio, how many earlier blocks of the same document each
             entry's compressor may read (the need exchange's compressor-input halo covers them).
+            ``kv``, ``compressed`` and ``prev_blocks`` are read-only mappings (:class:`ReadOnlyMap`,
+            which ``torch.compile`` traces).
         check_modules: whether compressed layer calls agree across ranks on their modules'
             outputs (:func:`plan_attention`).
         valid_queries: ``[T/cp]`` bool, ``True`` at the local rows that are real tokens, when
@@ -109,14 +151,6 @@ class AttentionPlan:
     shards: ShardLayout | None = None
     gather_len: int = 0
     cost_model: CostModel = CostModel()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Picklable (a plan made in a data-loader worker travels to the main process): mappings as dicts."""
-        return {f.name: dict(v) if isinstance(v, MappingProxyType) else v for f in fields(self) for v in (getattr(self, f.name),)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            object.__setattr__(self, name, MappingProxyType(value) if isinstance(value, dict) else value)
 
     @property
     def local_lens(self) -> tuple[int, ...]:
@@ -233,7 +267,7 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(obj, tuple):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     if isinstance(obj, Mapping):
-        return MappingProxyType({k: _map_tensors(v, fn) for k, v in obj.items()})
+        return ReadOnlyMap({k: _map_tensors(v, fn) for k, v in obj.items()})
     if is_dataclass(obj) and not isinstance(obj, type):
         kept = getattr(obj, "host_fields", ())
         return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj) if f.name not in kept})
@@ -513,8 +547,8 @@ def _build_plan(
         layout=name, exchange=exchange, ring_degree=ring_degree, cp_size=cp_size, cp_rank=cp_rank,
         num_tokens=num_tokens, local_len=local_len, num_documents=cu_seqlens.numel() - 1,
         num_global_queries=max(num_real, 1), segments=segments, prefix=prefix, gather_rows=rows,
-        kv=MappingProxyType(kv), compressed=MappingProxyType(compressed),
-        windows=planned_windows, compress_ratios=ratios, prev_blocks=MappingProxyType(reach),
+        kv=ReadOnlyMap(kv), compressed=ReadOnlyMap(compressed),
+        windows=planned_windows, compress_ratios=ratios, prev_blocks=ReadOnlyMap(reach),
         check_modules=check_modules, valid_queries=valid, shards=shards, gather_len=gather_len, cost_model=model,
     )
 

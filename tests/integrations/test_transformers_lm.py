@@ -70,7 +70,6 @@ from tests.integrations import hf_oracle  # noqa: E402
 from tests.shared_spawn import shared_spawn  # noqa: E402
 
 VOCAB, IGNORE = 64, -100
-LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 # 72 tokens (divisible by cp 1-4: the cross-rank checks run at cp 4). At cp 3 (24 tokens a rank) rank 1 holds no ratio-16 block
 # of its own (the 19-token document's one block ends on rank 2): its HCA compressor does not run.
 LENGTHS = [5, 0, 30, 3, 1, 19, 14]
@@ -81,18 +80,10 @@ CHUNK = 5  # tokens per chunk of the loss: several uneven chunks on every rank (
 
 
 def _config() -> Any:
-    from transformers import DeepseekV4Config
+    """The tiny config (:func:`cpkv.bench.hf_compile.hf_config`) with HF's eager experts (grouped_mm has no float64)."""
+    from cpkv.bench.hf_compile import hf_config
 
-    config = DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=32, q_lora_rank=32,
-        o_groups=2, o_lora_rank=16, sliding_window=8, layer_types=LAYERS, mlp_layer_types=["hash_moe", "moe", "moe"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        index_n_heads=2, index_head_dim=16, index_topk=4, partial_rotary_factor=0.25,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, hc_mult=2,
-    )
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"  # grouped_mm has no float64
-    return config
+    return hf_config("eager")
 
 
 def _model() -> Any:
