@@ -10,7 +10,8 @@ which runs ``aot_eager``, cannot see them), each checked on the smallest piece t
   reference sparse attention compiled over index widths 6, 5, 9, against eager.
 * a slice's backward scatters into zeros, and inductor's reinplacing of that scatter guards on the
   sliced tensor's first size being below 2 or not: the compressor splits its halves instead.
-  Checked: the overlapping (ratio 4) compressor compiled over 1, 3, 0 and 2 blocks keeps one graph.
+  Checked: the overlapping (ratio 4) compressor compiled over 1, 3, 0 and 2 blocks keeps one graph,
+  cpkv's own and Hugging Face's CSA compressor through cpkv's adapter (where transformers is installed).
 
 Inductor on CPU needs a C++ compiler: skipped without one. One spawn of its own (Dynamo's
 configuration stays out of the other tests' processes).
@@ -30,6 +31,44 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
                                 reason="inductor on CPU needs a C++ compiler")
 
 
+def _over_block_counts(
+    pooler: Any, params: torch.nn.Module, width: int, head_dim: int, gen: torch.Generator
+) -> tuple[list[float], list[int]]:
+    """``pooler`` (x ``[N_in, width]``, a ratio-4 ``CompressedPlan``) compiled with inductor over 1, 3, 0, 2
+    blocks: per step the max abs difference (output, input and parameter gradients) to eager, and the graphs."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from cpkv.plan.segments import CompressedPlan
+
+    def pool(x: torch.Tensor, plan: CompressedPlan) -> torch.Tensor:
+        out: torch.Tensor | None = pooler(x, plan)
+        return out if out is not None else x.new_zeros(0, head_dim)  # eager: None for no block
+
+    compiled = torch.compile(pool, fullgraph=True, backend="inductor")
+    torch._dynamo.reset()
+    counters.clear()
+    errors, graphs = [], []
+    for blocks in (1, 3, 0, 2):
+        starts = torch.arange(blocks, dtype=torch.int64) * 4 + 4
+        plan = CompressedPlan(ratio=4, block_starts=starts, entry_positions=starts - 4, num_entries=blocks)
+        x = torch.randn(4 * blocks + 6, width, generator=gen)
+        results = []
+        for fn in (compiled, pool):
+            params.zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_(True)
+            for t in (leaf, starts, plan.entry_positions):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            out = fn(leaf, plan)
+            if out.requires_grad:  # eager's stand-in for no block has no graph
+                out.sum().backward()
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (leaf, *params.parameters())]
+            results.append([out.detach(), *grads])
+        errors.append(max(float((c - e).abs().max()) if c.numel() else 0.0 for c, e in zip(*results)))
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    return errors, graphs
+
+
 def _runs(rank: int, world: int) -> dict[str, Any]:
     import torch._dynamo
     import torch._functorch.config
@@ -38,7 +77,6 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     from cpkv.backends.reference import ReferenceBackend
-    from cpkv.plan.segments import CompressedPlan
     from cpkv.v4.compressor import Compressor
 
     torch.fx.experimental._config.backed_size_oblivious = True
@@ -74,34 +112,18 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
 
     comp = Compressor(8, 4, 4, rope_dim=2, rope_base=10.0)
     assert comp.overlap
-
-    def compress(x: torch.Tensor, plan: CompressedPlan) -> torch.Tensor:
-        out = comp(x, plan)
-        return out if out is not None else x.new_zeros(0, comp.head_dim)  # eager: None for no block
-
-    compiled_comp = torch.compile(compress, fullgraph=True, backend="inductor")
-    torch._dynamo.reset()
-    counters.clear()
-    graphs, errors = [], []
-    for blocks in (1, 3, 0, 2):
-        starts = torch.arange(blocks, dtype=torch.int64) * 4 + 4
-        plan = CompressedPlan(ratio=4, block_starts=starts, entry_positions=starts - 4, num_entries=blocks)
-        x = torch.randn(4 * blocks + 6, 8, generator=gen)
-        results = []
-        for fn in (compiled_comp, compress):
-            comp.zero_grad(set_to_none=True)
-            leaf = x.clone().requires_grad_(True)
-            for t in (leaf, starts, plan.entry_positions):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            out = fn(leaf, plan)
-            if out.requires_grad:  # eager's stand-in for no block has no graph
-                out.sum().backward()
-            grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)]
-            grads += [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.parameters()]
-            results.append([out.detach(), *grads])
-        errors.append(max(float((c - e).abs().max()) if c.numel() else 0.0 for c, e in zip(*results)))
-        graphs.append(int(counters["stats"]["unique_graphs"]))
+    errors, graphs = _over_block_counts(comp, comp, 8, comp.head_dim, gen)
     report.update(compressor_errors=errors, compressor_graphs=graphs)
+    try:
+        from cpkv.bench.hf_compile import hf_model
+        from cpkv.integrations.transformers import DeepseekV4Compressor
+    except ImportError:  # no transformers>=5.23: the Hugging Face compressor is not checked
+        return report
+    model = hf_model()
+    layer = next(layer for layer in model.model.layers if layer.self_attn.layer_type == "compressed_sparse_attention")
+    module = layer.self_attn.compressor
+    errors, graphs = _over_block_counts(DeepseekV4Compressor(module), module, module.kv_proj.in_features, module.head_dim, gen)
+    report.update(hf_errors=errors, hf_graphs=graphs)
     return report
 
 
@@ -123,3 +145,12 @@ def test_compressor_keeps_one_graph_over_block_counts(report: dict[str, Any]) ->
     # fp32 against fp32 eager, fused differently by inductor: round-off of a few ulps of O(1) values
     assert max(report["compressor_errors"]) <= 1e-5, report
     assert report["compressor_graphs"][-1] == 1, report
+
+
+@pytest.mark.timeout(420)
+def test_hf_compressor_keeps_one_graph_over_block_counts(report: dict[str, Any]) -> None:
+    if "hf_graphs" not in report:
+        pytest.skip("transformers>=5.23 (the transformers/test extra) is missing")
+    # Hugging Face's CSA compressor through cpkv's adapter, the same mechanism as the compressor's
+    assert max(report["hf_errors"]) <= 1e-5, report
+    assert report["hf_graphs"][-1] == 1, report

@@ -144,9 +144,13 @@ def hf_layers_over_packings(rank: int, world: int, packings: int = 20, backend: 
     ``eager_seconds``: the eager step's wall time.
     """
     import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
+    torch._inductor.config.fx_graph_cache = False  # every compile counted, none read from a cache
+    torch._functorch.config.enable_autograd_cache = False
     if size_oblivious:
         import torch.fx.experimental._config
 

@@ -112,10 +112,15 @@ class _Pooler:
         if self.overlap:  # entry j pools block j-1's first-half channels and block j's second half
             has_prev = (plan.entry_positions.to(x.device) > 0)[:, None, None]
             prev = (rows - m).clamp(min=0)
-            prev_kv = torch.where(has_prev, kv[prev][..., :hd], 0.0)
-            prev_gate = torch.where(has_prev, (gate[prev] + self.module.position_bias)[..., :hd], float("-inf"))
-            slot_kv = torch.cat([prev_kv, slot_kv[..., hd:]], dim=1)
-            slot_gate = torch.cat([prev_gate, slot_gate[..., hd:]], dim=1)
+            # halves by split, not slices: a slice's backward scatters, and inductor's reinplacing of
+            # that scatter guards on N_c < 2 (cpkv.v4.compressor does the same)
+            (prev_kv, _), (prev_gate, _), (_, slot_kv), (_, slot_gate) = (
+                torch.split(t, hd, dim=-1) for t in (kv[prev], gate[prev] + self.module.position_bias, slot_kv, slot_gate)
+            )
+            prev_kv = torch.where(has_prev, prev_kv, 0.0)
+            prev_gate = torch.where(has_prev, prev_gate, float("-inf"))
+            slot_kv = torch.cat([prev_kv, slot_kv], dim=1)
+            slot_gate = torch.cat([prev_gate, slot_gate], dim=1)
         weights = slot_gate.softmax(dim=1, dtype=_compute_dtype(slot_gate.dtype)).to(slot_kv.dtype)
         pooled = (slot_kv * weights).sum(dim=1)
         normed = _rms_norm(pooled, self.module.kv_norm.weight, rms_norm_eps(self.module.kv_norm))
@@ -191,7 +196,7 @@ class DeepseekV4Indexer(_PooledBlocks):
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q`` ``[T, H_I, D_I]`` (compress RoPE at ``positions``) and weights ``[T, H_I]`` from ``[q_residual | hidden]``."""
         with torch.set_grad_enabled(self.learn and torch.is_grad_enabled()):
-            q_residual, hidden = x[:, : self.q_lora_rank], x[:, self.q_lora_rank :]
+            q_residual, hidden = torch.split(x, [self.q_lora_rank, x.shape[-1] - self.q_lora_rank], dim=-1)
             q = self.module.q_b_proj(q_residual).unflatten(-1, (self.module.num_heads, self.module.head_dim))
             weights = self.module.scorer.weights_proj(hidden)
             return self.rope(q, positions), weights.to(_compute_dtype(weights.dtype)) * self.scale
