@@ -169,7 +169,7 @@ def hf_layers_over_packings(rank: int, world: int, packings: int = 20, backend: 
     unique: list[int] = []
     seconds: list[float] = []
     failed, reason = 0, ""
-    loss_error, grad_error, eager_seconds, missing = 0.0, 0.0, 0.0, []
+    loss_error, grad_error, eager_seconds, missing, worst = 0.0, 0.0, 0.0, [], ""
     steps = hf_packings(tokens, world, packings)
     for step, lengths in enumerate(steps):
         start = time.perf_counter()
@@ -190,11 +190,13 @@ def hf_layers_over_packings(rank: int, world: int, packings: int = 20, backend: 
             eager_seconds = time.perf_counter() - start
             loss_error = abs(loss - want_loss)
             missing = sorted(set(grads) ^ set(want))
-            grad_error = max(float((grads[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-30))
-                             for n in set(grads) & set(want))
+            per_param = {n: float((grads[n] - want[n]).abs().max() / want[n].abs().max().clamp(min=1e-30))
+                         for n in set(grads) & set(want)}
+            worst = max(per_param, key=per_param.__getitem__)
+            grad_error = per_param[worst]
     return {"graphs": graphs, "compile_seconds": {t: sum(s) for t, s in seconds_of.items()}, "unique_graphs": unique,
             "failed": failed, "reason": reason, "seconds": seconds, "loss_error": loss_error, "grad_error": grad_error,
-            "missing": missing, "eager_seconds": eager_seconds, "packings": steps}
+            "missing": missing, "eager_seconds": eager_seconds, "packings": steps, "worst": worst}
 
 
 def main() -> int:
@@ -228,7 +230,8 @@ def main() -> int:
     print(f"\nfailed at step: {[r['failed'] for r in per_rank]} {first['reason']}")
     print(f"first step s {secs[0] if secs else 0:.1f}, compiled step s (median) {steady:.2f}, eager step s {first['eager_seconds']:.2f}")
     print(f"last step vs eager: loss |diff| {max(r['loss_error'] for r in per_rank):.1e}, grad max rel. diff"
-          f" {max(r['grad_error'] for r in per_rank):.1e}, gradients on one side only {first['missing']}")
+          f" {max(r['grad_error'] for r in per_rank):.1e} ({max(per_rank, key=lambda r: r['grad_error'])['worst']}),"
+          f" gradients on one side only {first['missing']}")
     return 1 if any(r["failed"] for r in per_rank) else 0
 
 
