@@ -16,7 +16,7 @@ How graphs are counted: every layer type gets its own counting backend (a callab
 ``backend``), shared by the layers of that type; Dynamo calls a backend once per graph it compiles
 (one per frame with ``fullgraph=True``), so its count is that layer type's graphs. The settings are
 those a compiled training run needs: ``torch.fx.experimental._config.backed_size_oblivious = True``
-(docs/performance.md: sizes of 0 and 1 stay symbolic) and Hugging Face's default experts
+(docs/troubleshooting.md: sizes of 0 and 1 stay symbolic) and Hugging Face's default experts
 implementation ``"grouped_mm"`` (under ``torch.compile`` with non-bfloat16 weights it calls HF's
 ``transformers::grouped_mm_fallback`` custom op: no data-dependent shape in the graph; HF's
 ``"eager"`` experts loop over ``nonzero()`` and break the graph).
@@ -25,16 +25,14 @@ implementation ``"grouped_mm"`` (under ``torch.compile`` with non-bfloat16 weigh
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from cpkv.bench.torch_compile import edge_packings, lognormal_packing
+from cpkv.bench.torch_compile import compile_settings, edge_packings, failure_reason, lognormal_packing
 
 __all__ = ["LAYER_TYPES", "hf_config", "hf_layers_over_packings", "hf_model", "hf_packings", "main"]
 
@@ -141,20 +139,13 @@ def hf_layers_over_packings(rank: int, world: int, packings: int = 20, backend: 
     step's wall time; ``loss_error``: the last step's absolute loss difference against the eager
     model (the same weights), ``grad_error``: the largest gradient difference relative to that
     gradient's largest magnitude, ``missing``: parameters with a gradient on one side only;
-    ``eager_seconds``: the eager step's wall time.
+    ``eager_seconds``: the eager step's wall time; ``worst``: the parameter of ``grad_error``.
     """
     import torch._dynamo
-    import torch._functorch.config
-    import torch._inductor.config
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    torch._inductor.config.fx_graph_cache = False  # every compile counted, none read from a cache
-    torch._functorch.config.enable_autograd_cache = False
-    if size_oblivious:
-        import torch.fx.experimental._config
-
-        torch.fx.experimental._config.backed_size_oblivious = True
+    compile_settings(size_oblivious)
     group = dist.group.WORLD
     compiled, eager = hf_model(), hf_model()
     types = list(compiled.config.layer_types)
@@ -176,9 +167,7 @@ def hf_layers_over_packings(rank: int, world: int, packings: int = 20, backend: 
         try:
             loss, grads = _step(compiled, lengths, step, group)
         except Exception as exc:  # noqa: BLE001 - reported as the failing step
-            failed, reason = step + 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400]}"
-            if os.environ.get("CPKV_BENCH_TRACEBACK"):
-                traceback.print_exc()
+            failed, reason = step + 1, failure_reason(exc)
             break
         seconds.append(time.perf_counter() - start)
         for t in graphs:

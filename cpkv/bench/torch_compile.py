@@ -32,8 +32,8 @@ from cpkv.plan import plan_attention, seqlens_to_cu_seqlens
 from cpkv.plan.cost import CostModel
 from cpkv.v4 import V4Attention, V4Config
 
-__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa", "edge_packings", "graphs_over_packings",
-           "lognormal_packing", "main"]
+__all__ = ["ALL_CASES", "CASES", "GQA_CASES", "LENGTHS", "MODES", "attention_call", "case_id", "compile_cases", "compile_gqa",
+           "compile_settings", "edge_packings", "failure_reason", "graphs_over_packings", "lognormal_packing", "main"]
 
 MODES = {
     "window": V4Config(compress_ratio=0, window=8),
@@ -84,10 +84,9 @@ def compile_cases(
 ) -> dict[str, Any]:
     """Per case: max relative error compiled vs eager, compile+first-call seconds, and graph breaks."""
     import torch._dynamo
-    import torch._inductor.config
 
+    compile_settings(False)  # always compile what the current ops are
     torch._dynamo.config.cache_size_limit = 64
-    torch._inductor.config.fx_graph_cache = False  # always compile what the current ops are
     results: dict[str, Any] = {}
     for mode, layout, exchange, ring in cases:
         config = MODES[mode]
@@ -177,6 +176,35 @@ def lognormal_packing(rng: Any, tokens: int, unit: int = 1, mean: float = 3.0, s
     return lengths
 
 
+def compile_settings(size_oblivious: bool, recompile_limit: int | None = None) -> None:
+    """This process's compile settings for counting graphs over packings.
+
+    Inductor's FX graph cache and AOTAutograd's cache off (every graph counted is compiled in the
+    run, none read from a cache built by other code); ``size_oblivious``: PyTorch's
+    ``torch.fx.experimental._config.backed_size_oblivious`` (dynamic sizes of 0 and 1 stay
+    symbolic); ``recompile_limit``: Dynamo's (``None``: its default, 8).
+    """
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+    import torch.fx.experimental._config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    if recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = recompile_limit
+    if size_oblivious:
+        torch.fx.experimental._config.backed_size_oblivious = True
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``exc`` in one line for a table (its traceback printed when ``CPKV_BENCH_TRACEBACK`` is set)."""
+    if os.environ.get("CPKV_BENCH_TRACEBACK"):
+        traceback.print_exception(exc)
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line[:300]}"
+
+
 def graphs_over_packings(
     rank: int, world: int, mode: str, packings: int, backend: str, tokens: int = 96, layout: str = "contiguous",
     exchange: str = "need", ring: int = 1, target: str = "layer", recompile_limit: int | None = None,
@@ -199,18 +227,9 @@ def graphs_over_packings(
     import random
 
     import torch._dynamo
-    import torch._functorch.config
-    import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    torch._inductor.config.fx_graph_cache = False  # every compile counted, none read from a cache
-    torch._functorch.config.enable_autograd_cache = False
-    if recompile_limit is not None:
-        torch._dynamo.config.recompile_limit = recompile_limit
-    if size_oblivious:
-        import torch.fx.experimental._config
-
-        torch.fx.experimental._config.backed_size_oblivious = True
+    compile_settings(size_oblivious, recompile_limit)
     config = MODES[mode]
     layer = V4Attention(config, seed=5)
     fn = layer.forward if target == "layer" else functools.partial(attention_call, layer)
@@ -235,9 +254,7 @@ def graphs_over_packings(
         try:
             got = _call(layer, compiled, x, plan, grad)
         except Exception as exc:  # noqa: BLE001 - reported as the failing step
-            failed, reason = step + 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-            if os.environ.get("CPKV_BENCH_TRACEBACK"):
-                traceback.print_exc()
+            failed, reason = step + 1, failure_reason(exc)
             break
         seconds.append(time.perf_counter() - start)
         graphs.append(int(counters["stats"]["unique_graphs"]))
